@@ -1,0 +1,143 @@
+"""The paged KV pool's bookkeeping: which physical block holds which tokens of whom.
+
+Blocks are fixed-size pages of the preallocated cache. A request owns a block table (a
+list of block ids in position order, any ids at all), so its pages need not be adjacent.
+Every operation is O(1) per block touched: free blocks sit in an insertion-ordered dict
+(allocate from the front, free to the back), never a scan over the pool.
+
+Prefix caching: a full block is named by a hash chained over the previous block's hash
+and its own tokens. A freed block keeps that name until it is handed out again, so a later
+request with the same prefix picks the block back up and skips that part of its prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # chained hash -> block id
+        self.num_cache_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @staticmethod
+    def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((prev, tokens))
+
+    # -- allocation -------------------------------------------------------------------
+
+    def _take_free(self) -> int:
+        block_id = next(iter(self.free))
+        del self.free[block_id]
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {block_id} freed more often than taken")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of ``seq`` (never its last token: its logits are
+        needed, so at least one token is always left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        prev: int | None = None
+        bs = self.block_size
+        for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
+            tokens = tuple(seq.token_ids[start : start + bs])
+            prev = self.chain_hash(prev, tokens)
+            block_id = self.cached.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, num_new_blocks: int, reusable: list[int] = ()) -> bool:
+        """Whether ``num_new_blocks`` fresh blocks can be had after taking ``reusable``
+        cached blocks (some of which may sit in the free list and would leave it)."""
+        taken_from_free = sum(1 for b in reusable if self.blocks[b].ref_count == 0)
+        return num_new_blocks <= len(self.free) - taken_from_free
+
+    def allocate_prefix(self, seq: Sequence, hits: list[int]) -> None:
+        """Start ``seq`` on its cached prefix blocks: their tokens count as computed."""
+        for block_id in hits:
+            self._ref(block_id)
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.num_cache_hit_tokens += seq.num_computed_tokens
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give ``seq`` blocks for its first ``num_tokens`` tokens; False (and no change)
+        when the pool has too few free blocks."""
+        need = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > len(self.free):
+            return False
+        seq.block_table.extend(self._take_free() for _ in range(need))
+        return True
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release a request's blocks; the last-freed are reused last, keeping the deepest
+        prefix blocks cached the longest."""
+        for block_id in reversed(seq.block_table):
+            self._unref(block_id)
+        seq.block_table = []
+
+    def commit_full_blocks(self, seq: Sequence, prev_computed: int) -> None:
+        """Name the blocks that became full of computed tokens in the last step."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        first = prev_computed // bs
+        last = seq.num_computed_tokens // bs  # blocks [first, last) are now full
+        prev = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        for i in range(first, last):
+            block = self.blocks[seq.block_table[i]]
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = self.chain_hash(prev, tokens)
+            if block.hash is None:
+                block.hash, block.token_ids = h, tokens
+                self.cached.setdefault(h, block.block_id)
+            prev = block.hash

@@ -1,0 +1,139 @@
+"""The Llama-family forward pass over the paged KV cache.
+
+Weights are held as plain tensors, with Q/K/V fused into one projection and gate/up into
+another, so a layer is five matrix products whatever the batch holds. A step's tokens
+(prefill chunks and decodes of many requests) are one flat batch; only attention needs
+to know where each request's tokens start, and the metadata below tells it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary frequencies, with Llama 3's or linear scaling when the config asks for it."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low = scaling.get("low_freq_factor", 1.0)
+        high = scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_positions: int,
+        backend: AttentionBackend,
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
+        self.norm = w("model.norm.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            bias = None
+            if cfg.attention_bias:
+                bias = torch.cat([w(a + f"{x}_proj.bias") for x in "qkv"])
+            self.layers.append(
+                LayerWeights(
+                    qkv=torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]),
+                    qkv_bias=bias,
+                    o=w(a + "o_proj.weight"),
+                    gate_up=torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]),
+                    down=w(m + "down_proj.weight"),
+                    input_norm=w(p + "input_layernorm.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                )
+            )
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), rope_inv_freq(cfg))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.scale = cfg.head_dim**-0.5
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits ``[len(logits_indices), vocab]`` for the chosen token positions.
+
+        ``kv_cache`` is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``;
+        the new tokens' K/V are written into it before attention reads it.
+        """
+        cfg = self.cfg
+        n = input_ids.shape[0]
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = h * d, kvh * d
+        eps = cfg.rms_norm_eps
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x = F.embedding(input_ids, self.embed)
+        attn_out = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
+        for i, layer in enumerate(self.layers):
+            y = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
+            qkv = F.linear(y, layer.qkv, layer.qkv_bias)
+            q = self._rope(qkv[:, :q_size].view(n, h, d), cos, sin)
+            k = self._rope(qkv[:, q_size : q_size + kv_size].view(n, kvh, d), cos, sin)
+            v = qkv[:, q_size + kv_size :].view(n, kvh, d)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            self.backend.attention(q, k_cache, v_cache, meta, self.scale, attn_out)
+            x = x + F.linear(attn_out.view(n, q_size), layer.o)
+            y = F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps)
+            gate, up = F.linear(y, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = F.rms_norm(x[logits_indices], (x.shape[-1],), self.norm, eps)
+        return F.linear(x, self.lm_head)

@@ -1,0 +1,111 @@
+"""Plain torch paged attention and KV-cache writes.
+
+This is the engine's attention on the CPU and the reference every Triton kernel in this
+package is tested against. Layout (shared with the kernels, read in place, never copied
+into another layout):
+
+- ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
+- A batch is a list of sequences. Sequence ``i`` brings ``query_len = cu_seqlens_q[i+1] -
+  cu_seqlens_q[i]`` new tokens (a prefill chunk, or 1 for a decode) and has ``seq_lens[i]``
+  tokens in total, the new ones included and already written to the cache.
+- ``block_tables[i, j]`` is the physical block holding that sequence's tokens
+  ``j*block_size .. (j+1)*block_size-1``; rows are padded with any valid block id.
+- New query ``q`` (position ``context_len + q``, where ``context_len = seq_len - query_len``)
+  sees keys at positions ``<= context_len + q``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new K/V rows ``[num_tokens, num_kv_heads, head_dim]`` into their slots.
+
+    ``slot_mapping[t] = block_id * block_size + offset``; a negative slot skips the token.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[keep])
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[keep])
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks ``[..., n]`` of a cache as ``[..., num_kv_heads, n * block_size, head_dim]``."""
+    g = cache[blocks]  # [..., n, block_size, kvh, d]
+    g = g.flatten(-4, -3)  # [..., n * block_size, kvh, d]
+    return g.transpose(-3, -2)
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
+
+    Decodes (query_len 1) are batched into one padded attention call, since a step usually
+    holds many of them; each prefill chunk gets its own call with its causal offset mask.
+    GQA is left to SDPA's ``enable_gqa`` so K/V are never repeated per query head.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    decodes = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
+    prefills = [i for i in range(len(lens)) if cu[i + 1] - cu[i] > 1]
+
+    if decodes:
+        idx = torch.tensor(decodes, dtype=torch.long, device=q.device)
+        dec_lens = seq_lens.to(torch.long)[idx]
+        max_len = max(lens[i] for i in decodes)
+        nblk = -(-max_len // block_size)
+        blocks = block_tables[idx, :nblk].to(torch.long)
+        k = _gather(k_cache, blocks)  # [S, kvh, nblk*bs, d]
+        v = _gather(v_cache, blocks)
+        pos = torch.arange(nblk * block_size, device=q.device)
+        mask = (pos[None, :] < dec_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
+        rows = torch.tensor([cu[i] for i in decodes], dtype=torch.long, device=q.device)
+        qd = q[rows].unsqueeze(2)  # [S, h, 1, d]
+        o = F.scaled_dot_product_attention(
+            qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[rows] = o.squeeze(2).to(out.dtype)
+
+    for i in prefills:
+        start, end = cu[i], cu[i + 1]
+        qlen, seq_len = end - start, lens[i]
+        ctx = seq_len - qlen
+        nblk = -(-seq_len // block_size)
+        blocks = block_tables[i, :nblk].to(torch.long)
+        k = _gather(k_cache, blocks)[:, :seq_len]  # [kvh, L, d]
+        v = _gather(v_cache, blocks)[:, :seq_len]
+        qp = q[start:end].transpose(0, 1)  # [h, qlen, d]
+        if ctx == 0:
+            o = F.scaled_dot_product_attention(
+                qp, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            kpos = torch.arange(seq_len, device=q.device)
+            qpos = torch.arange(ctx, seq_len, device=q.device)
+            mask = kpos[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(
+                qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[start:end] = o.transpose(0, 1).to(out.dtype)
+    return out

@@ -1,0 +1,246 @@
+"""Triton kernels against the torch reference, on fresh random inputs every run.
+
+Without CUDA the kernels run in Triton's interpreter, which must be switched on before the
+kernel modules are imported (``triton.jit`` reads it at decoration time). The interpreter
+has no bfloat16 matmul, so bf16 attention runs only on a GPU. Every test draws its seed from
+the clock and prints it on failure; outputs are poisoned with NaN so unwritten rows show.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.kv_write import write_kv_triton  # noqa: E402
+from kernels.paged_attention import (  # noqa: E402
+    choose_num_splits,
+    paged_attention_triton,
+    split_scratch_numel,
+)
+from kernels.reference import paged_attention_torch, write_kv_torch  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GARBAGE_SCALE = 1e3  # cache slots no sequence owns: a stray read swamps the result
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the Triton interpreter has no bf16 matmul"
+)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = time.time_ns() % 2**31
+    print(f"seed={seed}")  # shown by pytest only when the test fails
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    scale: float
+
+    def args(self) -> tuple:
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.cu_seqlens_q,
+            self.seq_lens,
+            self.block_tables,
+            self.scale,
+        )
+
+
+def make_batch(
+    gen: torch.Generator,
+    seqs: list[tuple[int, int]],
+    *,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> Batch:
+    """A batch of ``(query_len, seq_len)`` sequences over a realistically messy cache.
+
+    The cache is one layer of an all-layers tensor (so strided), each sequence owns blocks
+    in shuffled order, block-table padding points at real blocks, and every slot that no
+    sequence owns (spare blocks, the tail of each last block) holds large random garbage.
+    ``q`` is a slice of a fused QKV-like buffer, as the engine produces it.
+    """
+    num_heads = num_kv_heads * group
+    blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in seqs]
+    max_blocks = max(blocks_per_seq) + 1
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    layers = GARBAGE_SCALE * randn(gen, 2, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = layers[1, 0], layers[1, 1]
+    block_tables = perm[torch.randint(num_blocks, (len(seqs), max_blocks), generator=gen)]
+    owned = []
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = perm[sum(blocks_per_seq[:i]) : sum(blocks_per_seq[: i + 1])]
+        for pos in range(seqs[i][1]):
+            owned.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
+    slots = torch.tensor(owned, device=DEVICE)
+    for cache in (k_cache, v_cache):
+        flat = cache.view(-1, num_kv_heads, head_dim)
+        flat[slots] = randn(gen, len(owned), num_kv_heads, head_dim).to(flat.dtype)
+
+    num_tokens = sum(q_len for q_len, _ in seqs)
+    fused = randn(gen, num_tokens, num_heads + 2, head_dim, dtype=dtype)
+    cu = [0]
+    for q_len, _ in seqs:
+        cu.append(cu[-1] + q_len)
+    return Batch(
+        q=fused[:, 1 : num_heads + 1],
+        k_cache=k_cache.to(dtype),
+        v_cache=v_cache.to(dtype),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([s for _, s in seqs], dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(device=DEVICE, dtype=torch.int32),
+        scale=head_dim**-0.5,
+    )
+
+
+def check_attention(batch: Batch, tol: float, **kwargs) -> None:
+    expected = paged_attention_torch(
+        batch.q.float(),
+        batch.k_cache.float(),
+        batch.v_cache.float(),
+        *batch.args()[3:],
+    )
+    out = torch.full_like(batch.q, float("nan"))
+    result = paged_attention_triton(*batch.args(), out, **kwargs)
+    assert result is out
+    assert not out.isnan().any(), "rows left unwritten"
+    err = rel_err(out, expected)
+    assert err < tol, f"relative error {err:.2e}"
+
+
+def mixed(block_size: int) -> list[tuple[int, int]]:
+    """(query_len, seq_len): the shapes a chunked-prefill step mixes, with the edge cases."""
+    return [
+        (1, 2 * block_size + 5),  # decode, context not a multiple of the block size
+        (37, 37),  # first prefill chunk, no cached context
+        (1, 1),  # a sequence of a single token
+        (19, 19 + 2 * block_size + 3),  # later prefill chunk over cached context
+        (1, 3 * block_size),  # decode that fills its last block exactly
+        (2, block_size + 9),  # short chunk after context
+    ]
+
+
+# (num_kv_heads, group, head_dim, block_size): GQA ratios 1, 3, 4, 8; head sizes 64 and 128.
+SHAPES = [
+    (2, 1, 64, 16),
+    (1, 3, 128, 16),
+    (2, 4, 64, 32),
+    (1, 8, 128, 16),
+    (1, 4, 64, 64),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "kvh{}-g{}-d{}-bs{}".format(*s))
+def test_mixed_batch_fp32(gen: torch.Generator, shape: tuple[int, int, int, int]) -> None:
+    num_kv_heads, group, head_dim, block_size = shape
+    batch = make_batch(
+        gen,
+        mixed(block_size),
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
+    check_attention(batch, 1e-5)
+
+
+def test_hints_and_forced_split_on_mixed_batch(gen: torch.Generator) -> None:
+    """The sync-free call (both hints given) and the split path on prefill chunks."""
+    batch = make_batch(gen, mixed(16), num_kv_heads=2, group=4, head_dim=64, block_size=16)
+    hints = {"max_query_len": 37, "max_seq_len": 72}
+    check_attention(batch, 1e-5, **hints)
+    check_attention(batch, 1e-5, **hints, num_splits=3)
+
+
+@pytest.mark.parametrize("group,head_dim", [(4, 128), (3, 64)])
+def test_split_kv_decode(gen: torch.Generator, group: int, head_dim: int) -> None:
+    """Flash-decoding on long decodes, with preallocated NaN-poisoned scratch."""
+    seqs = [(1, 300), (1, 17), (1, 256), (1, 1)]
+    batch = make_batch(
+        gen, seqs, num_kv_heads=2, group=group, head_dim=head_dim, block_size=16
+    )
+    num_heads = 2 * group
+    scratch = torch.full(
+        (split_scratch_numel(len(seqs), num_heads, head_dim, 5) + 7,), float("nan"), device=DEVICE
+    )
+    hints = {"max_query_len": 1, "max_seq_len": 300}
+    check_attention(batch, 1e-5, **hints, num_splits=5, split_scratch=scratch)
+    check_attention(batch, 1e-5, num_splits=1)
+    check_attention(batch, 1e-5)  # automatic choice
+
+
+def test_auto_split_choice() -> None:
+    device = torch.device("cpu")
+    assert choose_num_splits(1, 1, 4096, device) > 1
+    assert choose_num_splits(1, 1, 200, device) == 1
+    assert choose_num_splits(4096, 8, 4096, device) == 1
+
+
+def test_fp16(gen: torch.Generator) -> None:
+    batch = make_batch(
+        gen, mixed(16), num_kv_heads=1, group=4, head_dim=64, block_size=16, dtype=torch.float16
+    )
+    check_attention(batch, 1e-2)
+    check_attention(batch, 1e-2, num_splits=2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "kvh{}-g{}-d{}-bs{}".format(*s))
+def test_bf16(gen: torch.Generator, shape: tuple[int, int, int, int]) -> None:
+    num_kv_heads, group, head_dim, block_size = shape
+    batch = make_batch(
+        gen,
+        mixed(block_size),
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+    )
+    check_attention(batch, 1e-2)
+    check_attention(batch, 1e-2, num_splits=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(3, 64, 16), (8, 128, 32)])
+def test_write_kv(
+    gen: torch.Generator, dtype: torch.dtype, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    num_blocks, num_tokens = 6, 23
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
+    slots[5] = -1  # skipped token
+    fused = randn(gen, num_tokens, 3 * num_kv_heads, head_dim, dtype=dtype)
+    key, value = fused[:, num_kv_heads : 2 * num_kv_heads], fused[:, 2 * num_kv_heads :]
+    layers = randn(gen, 2, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    expected = layers[1].clone()
+    write_kv_torch(key, value, expected[0], expected[1], slots)
+    write_kv_triton(key, value, layers[1, 0], layers[1, 1], slots)
+    assert torch.equal(layers[1], expected)
