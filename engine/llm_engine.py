@@ -23,7 +23,7 @@ from engine.model import LlamaModel
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, ScheduledSeq
+from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestMetrics, RequestState, Sequence
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -43,7 +43,9 @@ class LLMEngine:
         block_size = config.block_size
         bytes_per_block = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
         bytes_per_block *= torch.empty((), dtype=self.dtype).element_size()
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes(self.device) // bytes_per_block)
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_bytes(self.device) // bytes_per_block
+        )
         # A request must always fit in the pool alone, or preemption could never help it.
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, num_blocks * block_size
@@ -124,7 +126,9 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         want = len(token_ids) + (params.max_tokens or self.max_model_len)
-        self._recent_request_tokens += 0.1 * (min(want, self.max_model_len) - self._recent_request_tokens)
+        self._recent_request_tokens += 0.1 * (
+            min(want, self.max_model_len) - self._recent_request_tokens
+        )
         self.counters["requests_added"] += 1
 
     def _prompt_tokens(
@@ -143,11 +147,15 @@ class LLMEngine:
                 raise InvalidRequest("invalid_input", "prompt must be a string")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         elif messages is not None:
-            if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-                for m in messages
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in messages
+                )
             ):
                 raise InvalidRequest(
                     "invalid_input",
@@ -161,8 +169,7 @@ class LLMEngine:
         else:
             vocab = self.model_config.vocab_size
             if not isinstance(token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                for t in token_ids
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids
             ):
                 raise InvalidRequest(
                     "invalid_input", f"prompt_token_ids must be a list of ids in [0, {vocab})"
@@ -196,9 +203,7 @@ class LLMEngine:
         after what the queued requests will need, at the recent mean request size."""
         slots = self.config.max_num_seqs - len(self.requests)
         bm = self.block_manager
-        queued = sum(
-            bm.blocks_needed(seq.num_tokens + 1) for _, seq in self.scheduler.waiting
-        )
+        queued = sum(bm.blocks_needed(seq.num_tokens + 1) for _, seq in self.scheduler.waiting)
         running_growth = self.scheduler.num_running  # one block of headroom each
         spare = bm.num_free_blocks - queued - running_growth
         per_request = bm.blocks_needed(int(self._recent_request_tokens))
@@ -274,7 +279,9 @@ class LLMEngine:
             if s.samples:
                 logits_indices.append(cu[-1] - 1)
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
+        tables = [
+            s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled
+        ]
         dev = self.device
 
         def t(x: list, dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,6 @@ to know where each request's tokens start, and the metadata below tells it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+
 
 @dataclass
 class LayerWeights:
@@ -26,29 +26,6 @@ class LayerWeights:
     down: torch.Tensor
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Rotary frequencies, with Llama 3's or linear scaling when the config asks for it."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        inv = inv / scaling["factor"]
-    elif kind == "llama3":
-        factor = scaling["factor"]
-        low = scaling.get("low_freq_factor", 1.0)
-        high = scaling.get("high_freq_factor", 4.0)
-        old_ctx = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
-        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    elif kind not in (None, "default"):
-        raise ValueError(f"unsupported rope scaling {kind!r}")
-    return inv
 
 
 class LlamaModel:
@@ -89,7 +66,9 @@ class LlamaModel:
                     post_norm=w(p + "post_attention_layernorm.weight"),
                 )
             )
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), rope_inv_freq(cfg))
+        # float32 products, as transformers computes them, so rotations match it exactly.
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, cfg.rope_inv_freq())
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)

@@ -110,7 +110,9 @@ def sample(
             tok = int(torch.multinomial(probs, 1, generator=g))
         if p.logprobs is not None:
             top = torch.topk(raw, p.logprobs) if p.logprobs else None
-            logprobs = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
+            logprobs = (
+                dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
+            )
             logprobs[tok] = float(raw[tok])
         results[i] = SampleResult(tok, logprobs)
     return results  # type: ignore[return-value]

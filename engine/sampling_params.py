@@ -79,9 +79,7 @@ class SamplingParams:
             raise _bad("logprobs", "must be in [0, 20]")
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", "must be a boolean")
-        if not isinstance(self.stop, list) or not all(
-            isinstance(s, str) and s for s in self.stop
-        ):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise _bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids

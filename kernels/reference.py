@@ -40,9 +40,11 @@ def write_kv_torch(
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """Blocks ``[..., n]`` of a cache as ``[..., num_kv_heads, n * block_size, head_dim]``."""
-    g = cache[blocks]  # [..., n, block_size, kvh, d]
-    g = g.flatten(-4, -3)  # [..., n * block_size, kvh, d]
-    return g.transpose(-3, -2)
+    # index_select over whole blocks copies contiguous rows: several times faster on the
+    # CPU than advanced indexing of the 4-d cache.
+    flat = cache.view(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    g = flat.view(*blocks.shape[:-1], blocks.shape[-1] * cache.shape[1], *cache.shape[2:])
+    return g.transpose(-3, -2)  # [..., kvh, n * block_size, d]
 
 
 def paged_attention_torch(

@@ -167,7 +167,8 @@ class JobRequest:
             raise bad("priority must be an integer")
         for name in ("deadline", "submitted_at"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if value is not None and not number:
                 raise bad(f"{name} must be a number (unix seconds)")
         if self.model is not None and not isinstance(self.model, str):
             raise bad("model must be a string")

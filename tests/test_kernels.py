@@ -145,6 +145,7 @@ def mixed(block_size: int) -> list[tuple[int, int]]:
         (19, 19 + 2 * block_size + 3),  # later prefill chunk over cached context
         (1, 3 * block_size),  # decode that fills its last block exactly
         (2, block_size + 9),  # short chunk after context
+        (70, 70 + block_size - 1),  # chunk spanning several query blocks of a program
     ]
 
 
@@ -172,10 +173,28 @@ def test_mixed_batch_fp32(gen: torch.Generator, shape: tuple[int, int, int, int]
     check_attention(batch, 1e-5)
 
 
+@pytest.mark.parametrize("round_", range(3))
+def test_random_batches_fp32(gen: torch.Generator, round_: int) -> None:
+    """Random batch compositions, so the program-to-sequence mapping meets new layouts."""
+    seqs = []
+    for _ in range(int(torch.randint(1, 9, (), generator=gen))):
+        context = int(torch.randint(0, 100, (), generator=gen))
+        query_len = int(torch.randint(1, 3, (), generator=gen))
+        if query_len > 1:  # half decodes, half prefill chunks
+            query_len = int(torch.randint(2, 90, (), generator=gen))
+        seqs.append((query_len, context + query_len))
+    num_kv_heads, group = [(1, 1), (2, 3), (1, 4)][round_]
+    block_size = [16, 32, 16][round_]
+    batch = make_batch(
+        gen, seqs, num_kv_heads=num_kv_heads, group=group, head_dim=64, block_size=block_size
+    )
+    check_attention(batch, 1e-5)
+
+
 def test_hints_and_forced_split_on_mixed_batch(gen: torch.Generator) -> None:
     """The sync-free call (both hints given) and the split path on prefill chunks."""
     batch = make_batch(gen, mixed(16), num_kv_heads=2, group=4, head_dim=64, block_size=16)
-    hints = {"max_query_len": 37, "max_seq_len": 72}
+    hints = {"max_query_len": 70, "max_seq_len": 85}
     check_attention(batch, 1e-5, **hints)
     check_attention(batch, 1e-5, **hints, num_splits=3)
 
@@ -184,9 +203,7 @@ def test_hints_and_forced_split_on_mixed_batch(gen: torch.Generator) -> None:
 def test_split_kv_decode(gen: torch.Generator, group: int, head_dim: int) -> None:
     """Flash-decoding on long decodes, with preallocated NaN-poisoned scratch."""
     seqs = [(1, 300), (1, 17), (1, 256), (1, 1)]
-    batch = make_batch(
-        gen, seqs, num_kv_heads=2, group=group, head_dim=head_dim, block_size=16
-    )
+    batch = make_batch(gen, seqs, num_kv_heads=2, group=group, head_dim=head_dim, block_size=16)
     num_heads = 2 * group
     scratch = torch.full(
         (split_scratch_numel(len(seqs), num_heads, head_dim, 5) + 7,), float("nan"), device=DEVICE

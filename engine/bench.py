@@ -1,0 +1,143 @@
+"""``tokenq bench engine``: the engine against transformers ``generate``, one process, one run.
+
+Both sides get the same model, dtype, device and requests. Transformers runs static batches
+(left-padded; a batch runs until its longest request is done), which is how it is used for
+offline batch work; the engine gets every request at once and batches continuously.
+Generated tokens per second counts only the tokens each request asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def w1(n: int = 32, prompt_len: int = 128, gen: int = 128) -> Workload:
+    rng = random.Random(0)
+    prompts = [[rng.randint(200, 40000) for _ in range(prompt_len)] for _ in range(n)]
+    return Workload(f"W1 ({n}x{prompt_len}+{gen})", prompts, [gen] * n)
+
+
+def w2(n: int = 64) -> Workload:
+    rng = random.Random(0)
+    prompts, max_tokens = [], []
+    for _ in range(n):
+        length = rng.randint(16, 512)
+        prompts.append([rng.randint(200, 40000) for _ in range(length)])
+        max_tokens.append(rng.randint(16, 256))
+    return Workload(f"W2 ({n} mixed)", prompts, max_tokens)
+
+
+def run_engine(llm: LLM, wl: Workload) -> float:
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in wl.max_tokens]
+    start = time.perf_counter()
+    outs = llm.generate(wl.prompts, params)
+    elapsed = time.perf_counter() - start
+    assert sum(o.completion_tokens for o in outs) == wl.useful_tokens
+    return elapsed
+
+
+def run_hf(model: torch.nn.Module, wl: Workload, batch_size: int, device: torch.device) -> float:
+    start = time.perf_counter()
+    for i in range(0, len(wl.prompts), batch_size):
+        batch = wl.prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, p in enumerate(batch):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        new = max(wl.max_tokens[i : i + batch_size])
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="tokenq bench engine", description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--workloads", default="W1,W2", help="comma-separated: W1, W2")
+    ap.add_argument("--scale", type=int, default=1, help="multiply request counts (GPU runs)")
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--no-hf", action="store_true", help="run the engine side only")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args(argv)
+
+    overrides = {
+        k: v
+        for k, v in {
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_num_seqs": args.max_num_seqs,
+        }.items()
+        if v is not None
+    }
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, **overrides)
+    eng = llm.engine
+    cfg: EngineConfig = eng.config
+    makers = {"W1": lambda: w1(32 * args.scale), "W2": lambda: w2(64 * args.scale)}
+    workloads = [makers[w.strip().upper()]() for w in args.workloads.split(",")]
+    hf = None
+    if not args.no_hf:
+        from engine.hf_reference import build_hf_model
+        from engine.loader import load_checkpoint, resolve_model
+
+        model_cfg, weights = load_checkpoint(resolve_model(args.model), eng.dtype)
+        hf = build_hf_model(model_cfg, weights, eng.dtype).to(eng.device)
+
+    device_name = (
+        torch.cuda.get_device_name(eng.device)
+        if eng.device.type == "cuda"
+        else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    )
+    print(f"machine: {device_name}; torch {torch.__version__}; dtype {eng.dtype}")
+    print(
+        f"engine: max_num_seqs={cfg.max_num_seqs} "
+        f"max_num_batched_tokens={cfg.max_num_batched_tokens} block_size={cfg.block_size} "
+        f"kv_blocks={eng.block_manager.num_blocks} attention={eng.backend.name}"
+    )
+    header = f"{'workload':<22}{'tokens':>8}{'engine tok/s':>14}{'HF tok/s':>10}{'ratio':>8}"
+    print(header)
+    for wl in workloads:
+        eng_s = run_engine(llm, wl)
+        eng_tps = wl.useful_tokens / eng_s
+        line = f"{wl.name:<22}{wl.useful_tokens:>8}{eng_tps:>14.1f}"
+        if hf is not None:
+            hf_tps = wl.useful_tokens / run_hf(hf, wl, args.hf_batch_size, eng.device)
+            line += f"{hf_tps:>10.1f}{eng_tps / hf_tps:>7.2f}x"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

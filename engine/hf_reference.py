@@ -1,0 +1,27 @@
+"""Hugging Face transformers on the same weights: the yardstick for parity and benchmarks."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+def build_hf_model(
+    cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """A transformers causal LM holding exactly the tensors the engine was given."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = cfg.to_hf_config()
+    config = AutoConfig.for_model(**hf_cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(dtype) for k, v in weights.items()}, strict=False
+    )
+    allowed_missing = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise RuntimeError(f"weights do not match: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()

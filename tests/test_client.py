@@ -1,0 +1,237 @@
+"""The producer: submission, back-pressure, idempotency, reading and resuming replies.
+
+Reply streams here are written with the protocol's own encoder, standing in for a worker's
+output; the worker itself is tested end to end in test_worker*.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import threading
+
+import fakeredis
+import fakeredis.aioredis
+import pytest
+import redis
+
+from producer.client import AsyncClient, Client, make_request
+from producer.errors import ClientClosed, JobFailed, QueueFull
+from producer.protocol import (
+    DoneEvent,
+    ErrorEvent,
+    Keys,
+    TokenEvent,
+    Usage,
+    decode_job,
+    encode_event,
+)
+
+
+@pytest.fixture
+def fake() -> fakeredis.FakeRedis:
+    return fakeredis.FakeRedis()
+
+
+def write_reply(conn: redis.Redis, keys: Keys, job_id: str, events: list) -> list[str]:
+    return [conn.xadd(keys.reply(job_id), encode_event(e)).decode() for e in events]
+
+
+REPLY = [
+    TokenEvent(0, [10, 11], "Hello"),
+    TokenEvent(2, [12], ","),
+    TokenEvent(3, [13], " world"),
+    DoneEvent("Hello, world", "stop", [10, 11, 12, 13], Usage(5, 4)),
+]
+
+
+def test_submit_writes_a_protocol_entry_and_a_job_key(fake: fakeredis.FakeRedis) -> None:
+    client = Client(fake, namespace="t")
+    job = client.submit("hi", max_tokens=5, temperature=0, metadata={"a": 1}, priority=2)
+    entries = fake.xrange("t:jobs")
+    assert len(entries) == 1
+    decoded = decode_job(entries[0][1])
+    assert decoded.job_id == job.id and decoded.prompt == "hi"
+    assert decoded.params == {"max_tokens": 5, "temperature": 0}
+    assert decoded.metadata == {"a": 1} and decoded.priority == 2
+    assert decoded.submitted_at is not None
+    assert job.status() == "queued"
+    assert 0 < fake.ttl("t:job:" + job.id) <= 24 * 3600
+
+
+def test_client_side_validation_fails_before_redis(fake: fakeredis.FakeRedis) -> None:
+    client = Client(fake, namespace="t")
+    with pytest.raises(ValueError, match="exactly one"):
+        client.submit("hi", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="unknown parameter"):
+        client.submit("hi", max_token=5)
+    with pytest.raises(ValueError, match="job id"):
+        client.submit("hi", job_id="has space")
+    assert fake.xlen("t:jobs") == 0
+
+
+def test_decode_responses_clients_are_refused() -> None:
+    with pytest.raises(ValueError, match="decode_responses"):
+        Client(fakeredis.FakeRedis(decode_responses=True))
+
+
+def test_queue_full_beyond_max_backlog(fake: fakeredis.FakeRedis) -> None:
+    client = Client(fake, namespace="t", max_backlog=3)
+    for _ in range(3):
+        client.submit("x")
+    with pytest.raises(QueueFull) as info:
+        client.submit("x")
+    assert info.value.backlog == 3 and info.value.max_backlog == 3
+    # All or nothing for a batch that does not fit.
+    fake.xtrim("t:jobs", maxlen=1, approximate=False)
+    with pytest.raises(QueueFull):
+        client.submit_many([make_request("a"), make_request("b"), make_request("c")])
+    assert fake.xlen("t:jobs") == 1
+    assert len(client.submit_many([make_request("a"), make_request("b")])) == 2
+
+
+def test_same_job_id_is_queued_once(fake: fakeredis.FakeRedis) -> None:
+    client = Client(fake, namespace="t")
+    first = client.submit("x", job_id="order-7")
+    again = client.submit("something else", job_id="order-7")
+    batch = client.submit_many([make_request("y", job_id="b1"), make_request("z", job_id="b1")])
+    assert not first.duplicate and again.duplicate
+    assert [j.duplicate for j in batch] == [False, True]
+    assert fake.xlen("t:jobs") == 2
+    # A duplicate never counts against the backlog.
+    full = Client(fake, namespace="t", max_backlog=2)
+    assert full.submit("x", job_id="order-7").duplicate
+
+
+def test_stream_result_and_resume_from_a_middle_event(fake: fakeredis.FakeRedis) -> None:
+    client = Client(fake, namespace="t")
+    job = client.submit("x")
+    ids = write_reply(fake, client.keys, job.id, REPLY)
+    events = list(job.stream())
+    assert [e.event_id for e in events] == ids
+    assert "".join(e.text for e in events[:-1]) == events[-1].text
+    resumed = list(job.stream(after=ids[1]))
+    assert [e.event_id for e in resumed] == ids[2:]
+    assert job.result().text == "Hello, world"
+    assert client.job(job.id).result().usage.total_tokens == 9
+
+
+def test_error_event_raises_job_failed(fake: fakeredis.FakeRedis) -> None:
+    client = Client(fake, namespace="t")
+    job = client.submit("x")
+    write_reply(fake, client.keys, job.id, [ErrorEvent("invalid_params", "top_p: bad")])
+    with pytest.raises(JobFailed) as info:
+        job.result()
+    assert info.value.code == "invalid_params"
+
+
+def test_result_timeout(fake: fakeredis.FakeRedis) -> None:
+    job = Client(fake, namespace="t", block_ms=20).submit("x")
+    with pytest.raises(TimeoutError):
+        job.result(timeout=0.1)
+
+
+def test_cancel_sets_the_cancel_key_and_close_stops_submits(fake: fakeredis.FakeRedis) -> None:
+    client = Client(fake, namespace="t")
+    job = client.submit("x")
+    job.cancel()
+    assert fake.get(client.keys.cancel(job.id)) == b"1"
+    client.close()
+    with pytest.raises(ClientClosed):
+        client.submit("y")
+
+
+def test_stream_many_interleaves_jobs(fake: fakeredis.FakeRedis) -> None:
+    client = Client(fake, namespace="t")
+    a, b = client.submit("a"), client.submit("b")
+    write_reply(fake, client.keys, a.id, REPLY)
+    write_reply(fake, client.keys, b.id, [ErrorEvent("prompt_too_long", "too long")])
+    seen = [(job.id, event.type) for job, event in client.stream_many([a, b], timeout=5)]
+    assert seen.count((a.id, "done")) == 1 and (b.id, "error") in seen
+
+
+def test_async_client_matches_the_sync_one() -> None:
+    async def scenario() -> None:
+        server = fakeredis.FakeServer()
+        sync = fakeredis.FakeRedis(server=server)
+        client = AsyncClient(fakeredis.aioredis.FakeRedis(server=server), namespace="t")
+        job = await client.submit("x", job_id="aj", max_tokens=3)
+        assert (await client.submit("x", job_id="aj")).duplicate
+        assert await job.status() == "queued"
+        ids = write_reply(sync, client.keys, job.id, REPLY)
+        events = [e async for e in job.stream(after=ids[0])]
+        assert [e.event_id for e in events] == ids[1:]
+        assert (await job.result()).finish_reason == "stop"
+        await job.cancel()
+        assert sync.exists(client.keys.cancel("aj"))
+        small = AsyncClient(
+            fakeredis.aioredis.FakeRedis(server=server), namespace="t", max_backlog=1
+        )
+        with pytest.raises(QueueFull):
+            await small.submit("y")
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+# --- against a real server -------------------------------------------------------------
+
+
+def test_concurrent_submits_of_one_id_queue_it_once(redis_url: str, redis_namespace: str) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    results: list[bool] = []
+    barrier = threading.Barrier(8)
+
+    def submit() -> None:
+        barrier.wait()
+        results.append(client.submit("x", job_id="same").duplicate)
+
+    threads = [threading.Thread(target=submit) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [False] + [True] * 7
+    assert client.redis.xlen(client.keys.jobs) == 1
+    client.close()
+
+
+def test_queue_full_and_resume_on_a_real_server(redis_url: str, redis_namespace: str) -> None:
+    client = Client(redis_url, namespace=redis_namespace, max_backlog=2)
+    job = client.submit("a")
+    client.submit("b")
+    with pytest.raises(QueueFull):
+        client.submit("c")
+    ids = write_reply(client.redis, client.keys, job.id, REPLY)
+    assert [e.event_id for e in job.stream(after=ids[2], timeout=5)] == ids[3:]
+    client.close()
+
+
+def test_producer_and_submit_need_no_torch(redis_url: str, redis_namespace: str) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys
+
+        class NoTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith(("torch.", "triton")):
+                    raise ImportError("torch is blocked in this test")
+
+        sys.meta_path.insert(0, NoTorch())
+        import producer, producer.client, producer.protocol, producer.cli
+        code = producer.cli.main(["submit", "hello", "--no-wait", "--job-id", "nt",
+                                  "--redis-url", "{redis_url}", "--namespace", "{redis_namespace}"])
+        assert code == 0
+        assert "torch" not in sys.modules
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "nt"
+    conn = redis.Redis.from_url(redis_url)
+    assert decode_job(conn.xrange(f"{redis_namespace}:jobs")[0][1]).messages == [
+        {"role": "user", "content": "hello"}
+    ]
+    conn.close()

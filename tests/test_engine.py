@@ -1,0 +1,227 @@
+"""The engine end to end on tiny random Llamas: batching must never change the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
+from engine.hf_reference import build_hf_model
+from engine.loader import load_checkpoint
+from tests.helpers import make_tiny_llama_dir
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # GQA (4 query heads on 2 KV heads); 3 layers so cross-layer cache mix-ups would show.
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny"), num_hidden_layers=3)
+
+
+def make_engine(model: Path, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("block_size", 16)
+    return LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", **kw))
+
+
+def prompts(n: int, lengths: tuple[int, ...] = (5, 17, 33, 2, 48, 9)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    return [
+        torch.randint(200, 40000, (lengths[i % len(lengths)],), generator=g).tolist()
+        for i in range(n)
+    ]
+
+
+def run(engine: LLMEngine, reqs: list[list[int]], params=GREEDY) -> dict[str, list[int]]:
+    """Every request's generated ids, checking that streamed deltas add up to the end."""
+    streamed: dict[str, list[int]] = {}
+    final: dict[str, list[int]] = {}
+    texts: dict[str, str] = {}
+    for i, p in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
+            if out.finished:
+                final[out.request_id] = out.token_ids
+                assert texts[out.request_id] == out.text
+    assert streamed == final
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return final
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    cfg, weights = load_checkpoint(model_dir, torch.float32)
+    hf = build_hf_model(cfg, weights)
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_greedy_matches_transformers_for_unaligned_prompts(tiny_dir: Path, block_size: int):
+    engine = make_engine(tiny_dir, block_size=block_size, num_kv_blocks=4096 // block_size)
+    reqs = prompts(3)
+    got = run(engine, reqs)
+    for i, p in enumerate(reqs):
+        assert got[f"r{i}"] == hf_greedy(tiny_dir, p, GREEDY.max_tokens)
+
+
+def test_chunked_prefill_equals_unchunked(tiny_dir: Path):
+    reqs = prompts(6)
+    whole = run(make_engine(tiny_dir, max_num_batched_tokens=4096), reqs)
+    chunked = run(make_engine(tiny_dir, max_num_batched_tokens=7), reqs)
+    assert chunked == whole
+
+
+def test_a_request_alone_equals_it_inside_a_mixed_batch(tiny_dir: Path):
+    reqs = prompts(6)
+    batch = run(make_engine(tiny_dir, max_num_batched_tokens=40), reqs)
+    for i, p in enumerate(reqs):
+        alone = run(make_engine(tiny_dir), [p])
+        assert alone["r0"] == batch[f"r{i}"]
+
+
+def test_preemption_round_trip_equals_an_unpreempted_run(tiny_dir: Path):
+    reqs = prompts(6)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40)
+    roomy = run(make_engine(tiny_dir), reqs, params)
+    tight = make_engine(tiny_dir, num_kv_blocks=12, block_size=8)  # 96 tokens: r4 fits alone
+    squeezed = run(tight, reqs, params)
+    assert tight.counters["preemptions"] > 0
+    assert squeezed == roomy
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(tiny_dir: Path):
+    engine = make_engine(tiny_dir)
+    shared = prompts(1, (40,))[0]
+    first = run(engine, [shared + [300, 301]])
+    again = run(engine, [shared + [300, 301]])
+    assert engine.block_manager.num_cache_hit_tokens >= 32
+    assert again == first
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_dir: Path):
+    seeded = SamplingParams(temperature=1.0, top_k=50, seed=42, max_tokens=16, ignore_eos=True)
+    reqs = prompts(4)
+    alone = run(make_engine(tiny_dir), [reqs[0]], seeded)["r0"]
+    engine = make_engine(tiny_dir)
+    engine.add_request("noise-1", prompt_token_ids=reqs[1], params=SamplingParams(max_tokens=9))
+    engine.add_request("noise-2", prompt_token_ids=reqs[2], params=SamplingParams(max_tokens=30))
+    mixed = run(engine, [reqs[0]], seeded)["r0"]
+    assert mixed == alone
+    other = SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=16, ignore_eos=True)
+    assert run(make_engine(tiny_dir), [reqs[0]], other)["r0"] != alone
+
+
+def test_stop_string_across_token_boundaries_is_cut_and_never_streamed(tiny_dir: Path):
+    engine = make_engine(tiny_dir)
+    prompt = prompts(1)[0]
+    engine.add_request("free", prompt_token_ids=prompt, params=GREEDY)
+    ids = run_to_end(engine)["free"].token_ids
+    tok = engine.tokenizer
+    # A stop string from the middle of token 3 to the middle of token 4.
+    a, b, c = (len(tok.decode(ids[:k])) for k in (3, 4, 5))
+    full = tok.decode(ids)
+    assert b - a >= 2 and c - b >= 2, "tokens too short for this test"
+    stop = full[a + 1 : b + 1]
+    expected = full[: full.find(stop)]
+    engine.add_request("stopped", prompt_token_ids=prompt, params=_with(GREEDY, stop=[stop]))
+    streamed = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed += out.new_text
+            assert stop not in streamed
+            if out.finished:
+                assert out.finish_reason == "stop"
+                assert out.text == expected == streamed
+
+
+def test_min_tokens_and_stop_token_ids(tiny_dir: Path):
+    engine = make_engine(tiny_dir)
+    prompt = prompts(1)[0]
+    ids = run(engine, [prompt])["r0"]
+    # Stopping on the 3rd generated token; min_tokens then forbids stopping before 5.
+    stop_at = ids[2]
+    first = ids.index(stop_at)
+    out = run(engine, [prompt], _with(GREEDY, stop_token_ids=[stop_at]))["r0"]
+    assert out == ids[: first + 1]
+    held = run(engine, [prompt], _with(GREEDY, stop_token_ids=[stop_at], min_tokens=5))["r0"]
+    assert len(held) >= 5 and stop_at not in held[:4]
+
+
+def test_logprobs_report_the_top_tokens_and_the_sampled_one(tiny_dir: Path):
+    engine = make_engine(tiny_dir)
+    engine.add_request("lp", prompt_token_ids=prompts(1)[0], params=_with(GREEDY, logprobs=3))
+    tokens, logprobs = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += out.logprobs
+    assert len(logprobs) == GREEDY.max_tokens
+    for token, top in zip(tokens, logprobs, strict=True):
+        assert token in top and len(top) == 3  # greedy: the sampled token is the best one
+        assert max(top.values()) == top[token] <= 0.0
+
+
+def test_abort_frees_blocks_and_reports_cancelled(tiny_dir: Path):
+    engine = make_engine(tiny_dir)
+    engine.add_request("x", prompt_token_ids=prompts(1, (50,))[0], params=GREEDY)
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    out = engine.abort("x")
+    assert out.finished and out.finish_reason == "cancelled"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_unfinished() and engine.abort("x") is None
+
+
+def test_bad_requests_are_refused_with_a_code(tiny_dir: Path):
+    engine = make_engine(tiny_dir, max_model_len=64)
+    cases = [
+        ({"prompt_token_ids": []}, "empty_prompt"),
+        ({"prompt_token_ids": [1] * 64}, "prompt_too_long"),
+        ({"prompt_token_ids": [10**9]}, "invalid_input"),
+        ({"prompt": "hi", "prompt_token_ids": [1]}, "invalid_input"),
+        ({"messages": [{"role": "user"}]}, "invalid_input"),
+        ({"prompt": "hi", "params": {"temperature": -2}}, "invalid_params"),
+    ]
+    for kwargs, code in cases:
+        with pytest.raises(InvalidRequest) as err:
+            engine.add_request("bad", **kwargs)
+        assert err.value.code == code
+    assert not engine.has_unfinished()
+
+
+def test_deadline_ends_a_request_with_reason_deadline(tiny_dir: Path):
+    import time
+
+    engine = make_engine(tiny_dir)
+    engine.add_request(
+        "late", prompt_token_ids=prompts(1)[0], params=GREEDY, deadline=time.monotonic() - 1
+    )
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("late", "deadline")]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def _with(params: SamplingParams, **changes) -> SamplingParams:
+    return SamplingParams(**{**params.to_dict(), **changes})
+
+
+def run_to_end(engine: LLMEngine) -> dict:
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done

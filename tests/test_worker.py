@@ -1,0 +1,316 @@
+"""The worker against a real Redis server and a real engine (a tiny random Llama)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import redis
+
+from producer.client import Client, make_request
+from producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
+from tests.test_worker_support import (
+    WorkerThread,
+    check_reply,
+    fast_config,
+    make_engine,
+    reference_run,
+    tiny_model,  # noqa: F401
+    wait_for,
+)
+from worker.loop import Worker
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def reply_events(conn: redis.Redis, keys: Keys, job_id: str) -> list:
+    return [decode_event(eid, f) for eid, f in conn.xrange(keys.reply(job_id))]
+
+
+def test_jobs_stream_tokens_and_match_the_engine(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    prompts = ["The queue", "Hello there, how", "Once upon a time", "x"]
+    client = Client(redis_url, namespace=redis_namespace)
+    jobs = client.submit_many(
+        make_request(p, max_tokens=8 + i, metadata={"n": i}, **GREEDY)
+        for i, p in enumerate(prompts)
+    )
+    conn = client.redis
+    worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace, consumer="w1"))
+    with WorkerThread(worker):
+        results = [check_reply(list(job.stream(timeout=30))) for job in jobs]
+        wait_for(lambda: conn.exists(client.keys.metrics("w1")))
+        mid = reply_events(conn, client.keys, jobs[1].id)[3]
+        resumed = list(jobs[1].stream(after=mid.event_id, timeout=5))
+    expected = reference_run(
+        tiny_model,
+        [{"prompt": p, "params": {"max_tokens": 8 + i, **GREEDY}} for i, p in enumerate(prompts)],
+    )
+    for i, (reply, (_, final)) in enumerate(zip(results, expected, strict=True)):
+        assert reply.done.token_ids == final.token_ids
+        assert reply.done.text == final.text
+        assert reply.done.finish_reason == "length"
+        assert reply.done.usage.completion_tokens == 8 + i
+        assert reply.done.metadata == {"n": i}
+        t = reply.done.timings
+        assert 0 <= t.queue_time <= t.time_to_first_token <= t.total
+    assert [e.event_id for e in resumed] == [e.event_id for e in results[1].events[4:]]
+    # Acknowledged and deleted: nothing left in the stream or pending.
+    assert conn.xlen(client.keys.jobs) == 0
+    assert conn.xpending(client.keys.jobs, "workers")["pending"] == 0
+    assert {job.status() for job in jobs} == {"done"}
+    assert 0 < conn.ttl(client.keys.reply(jobs[0].id)) <= 3600
+    metrics = {k.decode(): float(v) for k, v in conn.hgetall(client.keys.metrics("w1")).items()}
+    assert metrics["generation_tokens_total"] == sum(8 + i for i in range(4))
+    assert metrics['request_success_total{finished_reason="length"}'] == 4
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
+    ):
+        assert name in metrics
+    client.close()
+
+
+def test_bad_input_of_every_kind_never_stops_the_worker(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn, keys = client.redis, client.keys
+    conn.xgroup_create(keys.jobs, "workers", id="0", mkstream=True)
+
+    def raw(job_id: str | None, data: object, v: str = "1") -> None:
+        fields = {"v": v, "data": data if isinstance(data, bytes) else pack(data)}
+        if job_id is not None:
+            fields["id"] = job_id
+        conn.xadd(keys.jobs, fields)
+
+    # (job id, expected error code); None: only a dead letter, no client to answer.
+    bad: list[tuple[str | None, str]] = []
+    good = []
+
+    def add_bad(job_id: str | None, code: str, data: object, v: str = "1") -> None:
+        raw(job_id, data, v)
+        bad.append((job_id, code))
+        good.append(client.submit(f"good after {code}", max_tokens=4, **GREEDY))
+
+    # Two entries a consumer took and then died with: one was trimmed from the stream
+    # while pending, the other is a poison job that workers kept dying on.
+    lost = conn.xadd(keys.jobs, {"v": "1", "id": "b-lost", "data": pack({"prompt": "a"})})
+    poison = conn.xadd(keys.jobs, {"v": "1", "id": "b-poison", "data": pack({"prompt": "a"})})
+    assert len(conn.xreadgroup("workers", "ghost", {keys.jobs: ">"}, count=2)[0][1]) == 2
+    conn.xdel(keys.jobs, lost)
+    conn.xclaim(keys.jobs, "workers", "ghost", 0, [poison], retrycount=5, justid=True)
+    bad += [(None, "lost_payload"), ("b-poison", "max_deliveries_exceeded")]
+    add_bad("b-msgpack", "invalid_payload", b"\xc1\xc1\xc1")
+    add_bad(None, "invalid_request", {"prompt": "no id"})
+    add_bad("b-notmap", "invalid_payload", [1, 2, 3])
+    add_bad("b-noprompt", "invalid_request", {"params": {"max_tokens": 3}})
+    add_bad("b-two", "invalid_request", {"prompt": "a", "prompt_token_ids": [1, 2]})
+    add_bad("b-field", "invalid_request", {"prompt": "a", "temperature": 0})
+    add_bad("b-param", "invalid_params", {"prompt": "a", "params": {"nucleus": 0.9}})
+    add_bad("b-value", "invalid_params", {"prompt": "a", "params": {"top_p": 2.0}})
+    add_bad("b-bias", "invalid_params", {"prompt": "a", "params": {"logit_bias": {"x": 1}}})
+    add_bad("b-type", "invalid_params", {"prompt": "a", "params": {"max_tokens": "many"}})
+    add_bad(
+        "b-minmax", "invalid_params", {"prompt": "a", "params": {"min_tokens": 9, "max_tokens": 2}}
+    )
+    add_bad("b-long", "prompt_too_long", {"prompt_token_ids": [7] * 5000})
+    add_bad("b-vocab", "invalid_input", {"prompt_token_ids": [10**9]})
+    add_bad("b-msgs", "invalid_request", {"messages": [{"role": "user"}]})
+    add_bad("b-version", "unsupported_version", {"prompt": "a"}, v="7")
+    add_bad("b-model", "unknown_model", {"prompt": "a", "model": "gpt-9"})
+    # Late: an error for the client, but not a dead letter.
+    late = client.submit("too late", deadline=time.time() - 1, job_id="b-late")
+    good.append(client.submit("last good one", max_tokens=4, **GREEDY))
+
+    worker = Worker(
+        make_engine(tiny_model, max_model_len=1024),
+        conn,
+        fast_config(redis_namespace, model_names=frozenset({"tiny"})),
+    )
+    runner = WorkerThread(worker)
+    with runner:
+        for job in good:
+            assert check_reply(list(job.stream(timeout=30))).done.finish_reason == "length"
+        for job_id, code in bad:
+            if job_id is not None:
+                events = list(client.job(job_id).stream(timeout=30))
+                assert [e.type for e in events] == ["error"], job_id
+                assert events[0].code == code, (job_id, events[0].message)
+                assert events[0].message
+        late_events = list(late.stream(timeout=30))
+        assert late_events[0].code == "deadline_exceeded"
+        wait_for(lambda: conn.xlen(keys.dead) == len(bad))
+        assert runner.alive()
+        survivor = client.submit("still serving?", max_tokens=3, **GREEDY)
+        assert survivor.result(timeout=30).usage.completion_tokens == 3
+    dead = [{k.decode(): v for k, v in f.items()} for _, f in conn.xrange(keys.dead)]
+    assert sorted(d["code"].decode() for d in dead) == sorted(code for _, code in bad)
+    msgpack_letter = next(d for d in dead if d["job_id"] == b"b-msgpack")
+    assert unpack(msgpack_letter["fields"])[b"data"] == b"\xc1\xc1\xc1"
+    assert conn.xlen(keys.jobs) == 0
+    assert conn.xpending(keys.jobs, "workers")["pending"] == 0
+    client.close()
+
+
+def test_cancel_stops_generation_and_frees_the_blocks(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    early = client.submit("cancelled before any worker saw it", max_tokens=50)
+    early.cancel()
+    engine = make_engine(tiny_model)
+    worker = Worker(engine, client.redis, fast_config(redis_namespace))
+    with WorkerThread(worker):
+        job = client.submit("go on forever", max_tokens=1900, **GREEDY)
+        stream = job.stream(timeout=30)
+        first = next(stream)
+        assert isinstance(first, TokenEvent)
+        job.cancel()
+        asked = time.monotonic()
+        reply = check_reply([first, *stream])
+        assert time.monotonic() - asked < 5
+        assert reply.done.finish_reason == "cancelled"
+        assert 0 < reply.done.usage.completion_tokens < 1900
+        wait_for(lambda: not worker.in_flight)
+        assert not engine.has_unfinished()
+        assert engine.stats().num_running == 0
+        early_reply = check_reply(list(early.stream(timeout=30)))
+        assert early_reply.done.finish_reason == "cancelled"
+        assert early_reply.token_ids == []
+    assert client.redis.xlen(client.keys.jobs) == 0
+    client.close()
+
+
+def test_deadline_is_enforced_during_generation(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    worker = Worker(make_engine(tiny_model), client.redis, fast_config(redis_namespace))
+    with WorkerThread(worker):
+        job = client.submit("long", max_tokens=1900, deadline=time.time() + 0.5, **GREEDY)
+        reply = check_reply(list(job.stream(timeout=30)))
+    assert reply.done.finish_reason == "deadline"
+    assert reply.done.usage.completion_tokens < 1900
+    client.close()
+
+
+def test_two_workers_share_the_stream_and_each_job_finishes_once(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    jobs = client.submit_many(make_request(f"job {i}", max_tokens=24, **GREEDY) for i in range(12))
+    workers = [
+        Worker(
+            make_engine(tiny_model, max_num_seqs=2),
+            client.redis,
+            fast_config(redis_namespace, consumer=name),
+        )
+        for name in ("a", "b")
+    ]
+    with WorkerThread(workers[0]), WorkerThread(workers[1]):
+        for job in jobs:
+            check_reply(list(job.stream(timeout=60)))
+    served = [sum(w.metrics.request_success_total.values()) for w in workers]
+    assert sum(served) == 12 and min(served) > 0, served
+    for job in jobs:
+        assert sum(e.type == "done" for e in reply_events(client.redis, client.keys, job.id)) == 1
+    assert client.redis.xlen(client.keys.jobs) == 0
+    client.close()
+
+
+def test_a_dead_workers_job_is_reclaimed_and_continued_without_duplicates(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn, keys = client.redis, client.keys
+    job = client.submit("a long story", max_tokens=40, **GREEDY)
+    # Worker A takes the job, streams a few tokens, then stops dead (never called again).
+    a = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace, consumer="a"))
+    a.ensure_group()
+    while sum(isinstance(e, TokenEvent) for e in reply_events(conn, keys, job.id)) < 5:
+        a.run_once()
+    assert job.id in a.in_flight
+    with WorkerThread(
+        Worker(make_engine(tiny_model), conn, fast_config(redis_namespace, consumer="b"))
+    ):
+        reply = check_reply(list(job.stream(timeout=30)))
+    assert not any(e.type == "restart" for e in reply.events)
+    ((_, expected),) = reference_run(
+        tiny_model, [{"prompt": "a long story", "params": {"max_tokens": 40, **GREEDY}}]
+    )
+    assert reply.done.token_ids == expected.token_ids
+    # A wakes up: it finds the job is no longer its own and writes nothing more.
+    length = conn.xlen(keys.reply(job.id))
+    for _ in range(3):
+        a.run_once()
+    assert job.id not in a.in_flight
+    assert not a.engine.has_unfinished()
+    assert conn.xlen(keys.reply(job.id)) == length
+    client.close()
+
+
+def test_rerun_continues_a_matching_reply_and_restarts_a_diverged_one(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    """What a crashed run left in the reply stream decides how the re-run writes."""
+    client = Client(redis_url, namespace=redis_namespace)
+    conn, keys = client.redis, client.keys
+    params = {"max_tokens": 12, **GREEDY}
+    ((deltas, expected),) = reference_run(tiny_model, [{"prompt": "resume me", "params": params}])
+    # The earlier run published the first three steps (as the same engine would have).
+    published_ids = [t for ids, _ in deltas[:3] for t in ids]
+    published_text = "".join(text for _, text in deltas[:3])
+    conn.xadd(keys.reply("same"), encode_event(TokenEvent(0, published_ids, published_text)))
+    # Another earlier run published tokens this model would never produce.
+    conn.xadd(keys.reply("other"), encode_event(TokenEvent(0, [1, 2, 3], "<junk>")))
+    jobs = [client.submit("resume me", job_id=jid, **params) for jid in ("same", "other")]
+    with WorkerThread(Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))):
+        same, other = (check_reply(list(j.stream(timeout=30))) for j in jobs)
+    assert [e.type for e in same.events].count("restart") == 0
+    assert same.events[1].index == 3  # continued right after what was already there
+    assert same.done.token_ids == expected.token_ids
+    assert [e.type for e in other.events][:2] == ["token", "restart"]
+    assert other.done.token_ids == expected.token_ids
+    assert other.text == expected.text
+    client.close()
+
+
+def test_redelivery_of_a_finished_job_does_not_run_it_again(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn, keys = client.redis, client.keys
+    job = client.submit("once", job_id="once", max_tokens=4, **GREEDY)
+    worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
+    with WorkerThread(worker):
+        job.result(timeout=30)
+        # A producer that bypasses the job key (or a redelivery) brings the same id back.
+        conn.xadd(keys.jobs, make_request("once", job_id="once", max_tokens=4).to_fields())
+        wait_for(lambda: conn.xlen(keys.jobs) == 0)
+    assert [e.type for e in reply_events(conn, keys, "once")].count("done") == 1
+    assert sum(worker.metrics.request_success_total.values()) == 1
+    client.close()

@@ -1,0 +1,138 @@
+"""`tokenq worker` as a real process: SIGTERM drains or hands back, SIGKILL loses nothing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import redis
+
+from producer.client import Client, Job, make_request
+from producer.protocol import TokenEvent, decode_event
+from tests.test_worker_support import (
+    WorkerThread,
+    check_reply,
+    fast_config,
+    make_engine,
+    reference_run,
+    tiny_model,  # noqa: F401
+    wait_for,
+)
+from worker.loop import Worker
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+CLAIM_IDLE_MS = 1000
+
+
+@contextmanager
+def worker_process(model: Path, url: str, namespace: str, grace: float) -> Iterator[subprocess.Popen]:
+    cmd = [
+        sys.executable, "-m", "producer.cli", "worker",
+        "--model", str(model), "--device", "cpu", "--dtype", "float32",
+        "--num-kv-blocks", "512", "--max-num-seqs", "8",
+        "--redis-url", url, "--namespace", namespace, "--consumer", "proc",
+        "--claim-idle-ms", str(CLAIM_IDLE_MS), "--grace-period", str(grace),
+        "--metrics-interval", "0.5",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def tokens_so_far(conn: redis.Redis, client: Client, job: Job) -> int:
+    events = [decode_event(i, f) for i, f in conn.xrange(client.keys.reply(job.id))]
+    return sum(len(e.token_ids) for e in events if isinstance(e, TokenEvent))
+
+
+def submit(client: Client, n: int, max_tokens: int) -> tuple[list[Job], list[dict]]:
+    prompts = [f"story number {i}" for i in range(n)]
+    jobs = client.submit_many(make_request(p, max_tokens=max_tokens, **GREEDY) for p in prompts)
+    requests = [{"prompt": p, "params": {"max_tokens": max_tokens, **GREEDY}} for p in prompts]
+    return jobs, requests
+
+
+def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn = client.redis
+    jobs, _ = submit(client, 3, 400)
+    with worker_process(tiny_model, redis_url, redis_namespace, grace=60) as proc:
+        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        later = client.submit("submitted after the stop", max_tokens=4)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+    for job in jobs:
+        reply = check_reply(list(job.stream(timeout=5)))
+        assert reply.done.usage.completion_tokens == 400
+    assert later.status() == "queued"  # a stopping worker takes no new job
+    assert conn.xlen(client.keys.jobs) == 1
+    assert conn.xpending(client.keys.jobs, "workers")["pending"] == 0
+    client.close()
+
+
+def test_sigterm_past_the_grace_leaves_jobs_for_another_worker(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn = client.redis
+    jobs, requests = submit(client, 3, 1000)
+    with worker_process(tiny_model, redis_url, redis_namespace, grace=0.2) as proc:
+        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-3000:]
+    pending = conn.xpending_range(client.keys.jobs, "workers", "-", "+", 10)
+    assert len(pending) == 3
+    # Handed back: idle already long enough for any worker's XAUTOCLAIM.
+    assert all(p["time_since_delivered"] >= CLAIM_IDLE_MS for p in pending)
+    assert all(j.status() == "queued" for j in jobs)
+    check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
+
+
+def test_a_killed_worker_loses_no_job_and_duplicates_no_token(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn = client.redis
+    jobs, requests = submit(client, 3, 1000)
+    with worker_process(tiny_model, redis_url, redis_namespace, grace=30) as proc:
+        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        proc.kill()
+        proc.wait(timeout=30)
+    assert len(conn.xpending_range(client.keys.jobs, "workers", "-", "+", 10)) == 3
+    check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
+
+
+def check_seamless_takeover(
+    model: Path, client: Client, jobs: list[Job], requests: list[dict], namespace: str
+) -> None:
+    """Another worker finishes the jobs; each reply reads as one uninterrupted run."""
+    already = [tokens_so_far(client.redis, client, j) for j in jobs]
+    start = time.monotonic()
+    config = fast_config(namespace, consumer="rescuer", claim_idle_ms=CLAIM_IDLE_MS)
+    with WorkerThread(Worker(make_engine(model), client.redis, config)):
+        replies = [check_reply(list(j.stream(timeout=60))) for j in jobs]
+    assert time.monotonic() - start < 60
+    expected = reference_run(model, requests)
+    for reply, (_, final), before in zip(replies, expected, already, strict=True):
+        assert not any(e.type == "restart" for e in reply.events)
+        assert reply.done.token_ids == final.token_ids
+        assert len(reply.token_ids) == len(final.token_ids) > before
+    assert client.redis.xlen(client.keys.jobs) == 0
+    assert client.redis.xpending(client.keys.jobs, "workers")["pending"] == 0
+    client.close()

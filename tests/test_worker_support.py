@@ -1,0 +1,139 @@
+"""Helpers shared by the worker tests (this module holds no tests).
+
+Workers run in threads against the real Redis of `redis_url`, with a real engine on a tiny
+random Llama (real tokenizer), so a whole job takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from producer.protocol import DoneEvent, Event, RestartEvent, TokenEvent
+from tests.helpers import make_tiny_llama_dir
+from worker.config import WorkerConfig
+from worker.loop import Worker
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-worker"))
+
+
+def make_engine(model: Path | str, **overrides: Any) -> LLMEngine:
+    options: dict[str, Any] = {
+        "device": "cpu",
+        "dtype": "float32",
+        "num_kv_blocks": 512,
+        "max_num_seqs": 16,
+    }
+    return LLMEngine(EngineConfig(model=str(model), **{**options, **overrides}))
+
+
+def fast_config(namespace: str, **overrides: Any) -> WorkerConfig:
+    """Timings shrunk so that reclaiming and heartbeats happen within a test."""
+    options: dict[str, Any] = {
+        "namespace": namespace,
+        "block_ms": 20,
+        "claim_idle_ms": 400,
+        "claim_interval_s": 0.1,
+        "heartbeat_interval_s": 0.1,
+        "metrics_interval_s": 0.2,
+        "grace_period_s": 5.0,
+    }
+    return WorkerConfig(**{**options, **overrides})
+
+
+class WorkerThread:
+    """Runs `worker.run()` in a thread; leaving the block stops it and re-raises whatever
+    killed it, so a test cannot pass with a dead worker."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as exc:  # reported in __exit__
+            self.error = exc
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def __enter__(self) -> Worker:
+        self.thread.start()
+        return self.worker
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.stop(grace=0)
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "worker did not stop"
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass
+class Reply:
+    """A reply stream as a client reconstructs it, after checking its invariants."""
+
+    events: list[Event]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def done(self) -> DoneEvent:
+        last = self.events[-1]
+        assert isinstance(last, DoneEvent), last
+        return last
+
+
+def check_reply(events: list[Event]) -> Reply:
+    """Token events are contiguous (no gap, no duplicate) since the last restart, and what
+    was streamed joins up to the final text and ids."""
+    reply = Reply(events)
+    for event in events:
+        if isinstance(event, RestartEvent):
+            reply.token_ids, reply.text = [], ""
+        elif isinstance(event, TokenEvent):
+            assert event.index == len(reply.token_ids), (event.index, len(reply.token_ids))
+            reply.token_ids += event.token_ids
+            reply.text += event.text
+    assert sum(e.type in ("done", "error") for e in events) == 1
+    if isinstance(events[-1], DoneEvent):
+        assert reply.text == events[-1].text
+        assert reply.token_ids == events[-1].token_ids
+    return reply
+
+
+def reference_run(model: Path | str, requests: list[dict[str, Any]], **engine_kw: Any) -> list:
+    """The same requests straight into a fresh engine, all at once: (per-step deltas of
+    each request, its final output)."""
+    engine = make_engine(model, **engine_kw)
+    for i, req in enumerate(requests):
+        req = dict(req)
+        params = SamplingParams.from_dict(req.pop("params"))
+        engine.add_request(f"r{i}", **req, params=params)
+    deltas: dict[str, list[tuple[list[int], str]]] = {f"r{i}": [] for i in range(len(requests))}
+    finals: dict[str, Any] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            deltas[out.request_id].append((out.new_token_ids, out.new_text))
+            if out.finished:
+                finals[out.request_id] = out
+    return [(deltas[f"r{i}"], finals[f"r{i}"]) for i in range(len(requests))]
+
+
+def wait_for(predicate: Any, timeout: float = 20.0, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)

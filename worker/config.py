@@ -1,0 +1,44 @@
+"""Worker settings: the queue side only; the engine has its own EngineConfig."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from producer.protocol import DEFAULT_NAMESPACE, GROUP
+
+
+def default_consumer() -> str:
+    """Host and pid: unique per process. Give a stable name (``--consumer``) where a
+    restarted worker should replay its own pending jobs at once instead of waiting for
+    another worker to reclaim them after ``claim_idle_ms``."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class WorkerConfig:
+    namespace: str = DEFAULT_NAMESPACE
+    group: str = GROUP
+    consumer: str = field(default_factory=default_consumer)
+    # Names a job's optional ``model`` field may carry; empty accepts any.
+    model_names: frozenset[str] = frozenset()
+    block_ms: int = 100  # idle XREADGROUP BLOCK: bounds the reaction time to a stop
+    # A job pending this long without a heartbeat belongs to a dead worker.
+    claim_idle_ms: int = 60_000
+    claim_interval_s: float = 5.0
+    # Must stay well below claim_idle_ms, or live workers lose long jobs to each other.
+    heartbeat_interval_s: float = 10.0
+    max_deliveries: int = 3
+    reply_ttl_s: int = 3600  # after done/error
+    running_reply_ttl_s: int = 24 * 3600  # while running: bounds what a lost job leaves
+    dead_letter_maxlen: int = 100_000
+    metrics_interval_s: float = 10.0
+    grace_period_s: float = 30.0
+    max_step_failures: int = 3  # consecutive failed engine steps before the worker exits
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_s * 1000 * 2 > self.claim_idle_ms:
+            raise ValueError("heartbeat_interval_s must be under half of claim_idle_ms")
+        if self.max_deliveries < 1:
+            raise ValueError("max_deliveries must be at least 1")

@@ -1,0 +1,78 @@
+"""From a job stream entry to the engine's arguments, or to a clear rejection."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from producer.protocol import JobRequest, ProtocolError, decode_job
+
+
+@dataclass
+class Rejection:
+    """Why an entry is not run. `dead_letter`: poison input, kept for a human to look at;
+    other rejections (deadline, cancelled) are the job's normal end."""
+
+    code: str
+    message: str
+    job_id: str | None = None
+    dead_letter: bool = True
+    metadata: Any = None  # echoed in the error event when the payload could be read
+
+
+def parse_entry(
+    fields: dict[bytes, bytes] | None, deliveries: int, max_deliveries: int
+) -> JobRequest | Rejection:
+    if not fields:
+        return Rejection("lost_payload", "the entry was trimmed from the job stream while pending")
+    try:
+        job = decode_job(fields)
+    except ProtocolError as exc:
+        return Rejection(exc.code, exc.message, exc.job_id)
+    if deliveries > max_deliveries:
+        return Rejection(
+            "max_deliveries_exceeded",
+            f"delivered {deliveries} times (limit {max_deliveries}); workers kept failing on it",
+            job.job_id,
+            metadata=job.metadata,
+        )
+    return job
+
+
+def check_model(job: JobRequest, model_names: frozenset[str]) -> Rejection | None:
+    if job.model is None or not model_names or job.model in model_names:
+        return None
+    served = ", ".join(sorted(model_names))
+    return Rejection(
+        "unknown_model",
+        f"model {job.model!r} is not served here ({served})",
+        job.job_id,
+        metadata=job.metadata,
+    )
+
+
+def enqueue_time(entry_id: bytes | str) -> float:
+    """Unix seconds at which Redis appended the entry: one clock for every producer."""
+    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(eid.split("-", 1)[0]) / 1000.0
+
+
+def to_monotonic(unix_time: float) -> float:
+    """The engine keeps `time.monotonic()` times; the wire carries unix times."""
+    return time.monotonic() + (unix_time - time.time())
+
+
+def derived_seed(job_id: str) -> int:
+    """A sampled job without a seed gets one from its id, so a re-run after a crash draws
+    the same tokens and continues the reply seamlessly (see worker/resume.py)."""
+    return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:4], "big") & 0x7FFF_FFFF
+
+
+def engine_params(job: JobRequest) -> dict[str, Any]:
+    params = dict(job.params)
+    temperature = params.get("temperature", 1.0)
+    if params.get("seed") is None and temperature != 0:
+        params["seed"] = derived_seed(job.job_id or "")
+    return params

@@ -1,0 +1,104 @@
+"""Re-running a job whose reply stream already holds tokens, without showing duplicates.
+
+A worker that dies mid-job leaves its tokens in the reply stream; the job stays pending
+and another worker runs it again from the start. The reply stream is the record of what
+the client has seen, so the new run reads it first and then:
+
+- suppresses its own tokens while they equal the ones already published (token ids and
+  text), and streams only what comes after them: the client sees one seamless reply;
+- if the new run diverges from what was published (a sampled job run on a different
+  batch, a different model), it writes one ``restart`` event and streams its own tokens
+  from index 0: the client discards what it had and nothing is ever shown twice.
+
+Greedy jobs and seeded jobs reproduce their tokens, and the worker gives every sampled
+job without a seed one derived from its job id, so divergence is the rare case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from producer.protocol import (
+    TERMINAL_EVENTS,
+    Event,
+    RestartEvent,
+    TokenEvent,
+    decode_event,
+)
+
+Logprobs = list[list[tuple[int, float]]]
+
+
+@dataclass
+class ReplyHistory:
+    """What a reply stream holds: the tokens of its current run, and whether it ended."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    terminal: Event | None = None
+
+    @classmethod
+    def from_entries(cls, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> ReplyHistory:
+        history = cls()
+        for event_id, fields in entries:
+            event = decode_event(event_id, fields)
+            if isinstance(event, RestartEvent):
+                history.token_ids, history.text = [], ""
+            elif isinstance(event, TokenEvent):
+                history.token_ids += event.token_ids
+                history.text += event.text
+            elif event.type in TERMINAL_EVENTS:
+                history.terminal = event
+        return history
+
+
+class Continuation:
+    """Turns a run's engine deltas into the token events still owed to the client."""
+
+    def __init__(self, history: ReplyHistory, with_logprobs: bool) -> None:
+        self._published_ids = history.token_ids
+        self._published_text = history.text
+        self._verifying = bool(history.token_ids)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._logprobs: Logprobs | None = [] if with_logprobs else None
+
+    @property
+    def skipped(self) -> int:
+        """Tokens of this run that an earlier run had already published."""
+        return len(self._published_ids)
+
+    def feed(
+        self, ids: list[int], text: str, logprobs: Logprobs | None, finished: bool
+    ) -> list[Event]:
+        start = len(self.token_ids)
+        self.token_ids += ids
+        self.text += text
+        if self._logprobs is not None and logprobs is not None:
+            self._logprobs += logprobs
+        if not self._verifying:
+            return self._token_event(start, len(text)) if ids or text else []
+        n, p = len(self.token_ids), len(self._published_ids)
+        k = min(n, p)
+        diverged = (
+            self.token_ids[:k] != self._published_ids[:k]
+            or (n >= p and not self.text.startswith(self._published_text))
+            or (finished and n < p)
+        )
+        if diverged:
+            self._verifying = False
+            return [RestartEvent("re-run diverged from the published tokens"), *self._all()]
+        if n < p:
+            return []
+        self._verifying = False
+        return self._token_event(p, len(self.text) - len(self._published_text))
+
+    def _token_event(self, index: int, text_len: int) -> list[Event]:
+        if index == len(self.token_ids) and text_len == 0:
+            return []
+        lp = None if self._logprobs is None else self._logprobs[index:]
+        text = self.text[len(self.text) - text_len :] if text_len else ""
+        return [TokenEvent(index, self.token_ids[index:], text, lp)]
+
+    def _all(self) -> list[Event]:
+        return self._token_event(0, len(self.text))
