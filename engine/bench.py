@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.hf_reference import build_hf_model, greedy_config
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -72,10 +73,7 @@ def run_hf(model: torch.nn.Module, wl: Workload, batch_size: int, device: torch.
             model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
+                generation_config=greedy_config(new),
             )
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -110,7 +108,6 @@ def main(argv: list[str] | None = None) -> None:
     workloads = [makers[w.strip().upper()]() for w in args.workloads.split(",")]
     hf = None
     if not args.no_hf:
-        from engine.hf_reference import build_hf_model
         from engine.loader import load_checkpoint, resolve_model
 
         model_cfg, weights = load_checkpoint(resolve_model(args.model), eng.dtype)

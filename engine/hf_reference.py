@@ -25,3 +25,13 @@ def build_hf_model(
     if cfg.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
+
+def greedy_config(max_new_tokens: int):  # noqa: ANN201 (transformers is imported lazily)
+    """Greedy decoding that ignores EOS the way the engine's ``ignore_eos`` does: EOS may be
+    generated, it just does not stop the request (``min_new_tokens`` would forbid it)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )

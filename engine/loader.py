@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine import models
 from engine.config import ModelConfig
 
 GGUF_SUFFIX = ".gguf"
@@ -74,8 +75,6 @@ def load_checkpoint(
 def resolve_model(name_or_path: str | Path) -> Path:
     """Map a known alias (`smollm2-135m`) to its cached file, fetching it if needed; pass
     `.gguf` files and model folders through."""
-    from engine import models
-
     text = str(name_or_path)
     if text in models.KNOWN_MODELS:
         return models.ensure_model(text)
@@ -213,6 +212,27 @@ def _merge_ids(*groups: list[int]) -> list[int]:
 # --- GGUF ------------------------------------------------------------------------------------
 
 
+# GGUF value types (gguf.GGUFValueType) -> struct format of a scalar.
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"}
+_GGUF_SCALARS |= {10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+# llama.cpp's token type for control tokens, and the control-token texts that end a turn.
+_GGUF_TOKEN_CONTROL = 3
+_END_OF_GENERATION_TEXTS = frozenset(
+    {
+        "<|endoftext|>",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|end_of_text|>",
+    }
+)
+
+
 @dataclass
 class GGUFTensor:
     name: str
@@ -276,12 +296,6 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     return read_gguf(path, with_tensors=False).metadata
 
 
-# GGUF value types (gguf.GGUFValueType) -> struct format of a scalar.
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"}
-_GGUF_SCALARS |= {10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
 class _Cursor:
     """Sequential little-endian reads over the memory-mapped header."""
 
@@ -336,20 +350,6 @@ def gguf_eos_token_ids(meta: dict[str, Any]) -> list[int]:
         if kind == _GGUF_TOKEN_CONTROL and text in _END_OF_GENERATION_TEXTS
     ]
     return _merge_ids(declared, markers)
-
-
-_GGUF_TOKEN_CONTROL = 3
-_END_OF_GENERATION_TEXTS = frozenset(
-    {
-        "<|endoftext|>",
-        "<|im_end|>",
-        "<|eot_id|>",
-        "<|eom_id|>",
-        "<|end|>",
-        "<end_of_turn>",
-        "<|end_of_text|>",
-    }
-)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

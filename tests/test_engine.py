@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
-from engine.hf_reference import build_hf_model
+from engine.hf_reference import build_hf_model, greedy_config
 from engine.loader import load_checkpoint
 from tests.helpers import make_tiny_llama_dir
 
@@ -58,13 +58,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
     cfg, weights = load_checkpoint(model_dir, torch.float32)
     hf = build_hf_model(cfg, weights)
     with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
+        out = hf.generate(torch.tensor([prompt]), generation_config=greedy_config(n))
     return out[0, len(prompt) :].tolist()
 
 

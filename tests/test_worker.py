@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from producer.client import Client, make_request
@@ -15,10 +16,13 @@ from tests.test_worker_support import (
     fast_config,
     make_engine,
     reference_run,
+    single_torch_thread,  # noqa: F401
     tiny_model,  # noqa: F401
     wait_for,
 )
 from worker.loop import Worker
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 

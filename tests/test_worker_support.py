@@ -8,17 +8,28 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from producer.protocol import DoneEvent, Event, RestartEvent, TokenEvent
 from tests.helpers import make_tiny_llama_dir
 from worker.config import WorkerConfig
 from worker.loop import Worker
+
+
+@pytest.fixture
+def single_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread, and the worker thread then leaves a core to
+    the test's client; the setting is process-wide, so it is put back afterwards."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +43,7 @@ def make_engine(model: Path | str, **overrides: Any) -> LLMEngine:
         "dtype": "float32",
         "num_kv_blocks": 512,
         "max_num_seqs": 16,
+        "num_threads": 1,
     }
     return LLMEngine(EngineConfig(model=str(model), **{**options, **overrides}))
 
