@@ -35,7 +35,8 @@ class AttentionBackend:
             name = "triton" if device.type == "cuda" else "torch"
         self.name = name
         if name == "triton":
-            from kernels.triton_attention import paged_attention_triton, write_kv_triton
+            from kernels.kv_write import write_kv_triton
+            from kernels.paged_attention import paged_attention_triton
 
             self._write = write_kv_triton
             self._attend = paged_attention_triton

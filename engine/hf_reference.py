@@ -24,12 +24,15 @@ def build_hf_model(
         raise RuntimeError(f"weights do not match: missing {missing}, unexpected {unexpected}")
     if cfg.tie_word_embeddings:
         model.tie_weights()
+    # generate() fills unset fields from here: with no EOS it runs to max_new_tokens, which
+    # is what the engine's ignore_eos does (EOS may be produced, it just does not stop).
+    model.generation_config.eos_token_id = None
     return model.eval()
 
 
 def greedy_config(max_new_tokens: int):  # noqa: ANN201 (transformers is imported lazily)
-    """Greedy decoding that ignores EOS the way the engine's ``ignore_eos`` does: EOS may be
-    generated, it just does not stop the request (``min_new_tokens`` would forbid it)."""
+    """Greedy decoding of exactly ``max_new_tokens`` (``min_new_tokens`` would instead forbid
+    EOS, and so change the tokens)."""
     from transformers import GenerationConfig
 
     return GenerationConfig(

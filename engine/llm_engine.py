@@ -326,7 +326,7 @@ class LLMEngine:
             cut = self._find_stop(seq)
             if cut is not None:
                 seq.text = seq.text[:cut]
-                reason = "stop"
+                return self._finish(seq, "stop", RequestState.COMPLETED, flush=False)
         if reason is None and (
             (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
             or seq.num_tokens >= self.max_model_len
@@ -376,7 +376,13 @@ class LLMEngine:
             token_ids=list(seq.output_token_ids) if finished else None,
         )
 
-    def _finish(self, seq: Sequence, reason: str, state: RequestState) -> RequestOutput:
+    def _finish(
+        self, seq: Sequence, reason: str, state: RequestState, flush: bool = True
+    ) -> RequestOutput:
+        """End a request; ``flush`` adds the bytes of a character the output ended inside
+        (not wanted after a stop string cut the text)."""
+        if flush and seq.detokenizer is not None:
+            seq.text += seq.detokenizer.flush()
         seq.finish_reason = reason
         seq.transition(state)
         self.scheduler.remove(seq)

@@ -22,15 +22,13 @@ place. Design choices:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-_DECODE_BLOCK_M = 16  # tl.dot needs at least 16 rows
-_PREFILL_BLOCK_M = 64
-_BLOCK_N = 64
 # Split only when every part still gets this many keys: below that the merge costs more than
 # the extra parallelism brings.
 _MIN_KEYS_PER_SPLIT = 256
@@ -203,6 +201,28 @@ def _merge_splits_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
 
 
+@dataclass(frozen=True)
+class _Tiles:
+    block_m: int  # rows of query tokens x query heads per program
+    block_n: int  # keys per inner-loop tile
+    num_warps: int
+
+
+# Decodes bring one row per query head, so their tile is the 16 rows tl.dot needs at least;
+# prefill chunks get a tile the tensor cores can chew on. fp32 is computed without TF32 (to
+# match the reference), i.e. on CUDA cores, and needs small tiles to stay clear of spilling.
+# These sizes compile without register spills for head_dim 64 and 128 on sm_90.
+_DECODE_TILES = _Tiles(block_m=16, block_n=64, num_warps=4)
+_PREFILL_TILES = _Tiles(block_m=64, block_n=64, num_warps=4)
+_FP32_TILES = _Tiles(block_m=16, block_n=32, num_warps=4)
+
+
+def _tiles(dtype: torch.dtype, decode_only: bool) -> _Tiles:
+    if dtype == torch.float32:
+        return _FP32_TILES
+    return _DECODE_TILES if decode_only else _PREFILL_TILES
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -261,6 +281,8 @@ def paged_attention_triton(
         raise ValueError(
             f"q heads/dim {num_heads}/{head_dim} do not fit cache {num_kv_heads}/{cache_head_dim}"
         )
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError("cu_seqlens_q, seq_lens and block_tables disagree on num_seqs")
     if out is None:
@@ -271,7 +293,8 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
     decode_only = max_query_len == 1 if max_query_len is not None else num_tokens == num_seqs
-    block_q = max(1, (_DECODE_BLOCK_M if decode_only else _PREFILL_BLOCK_M) // group_p2)
+    tiles = _tiles(q.dtype, decode_only)
+    block_q = max(1, tiles.block_m // group_p2)
     if num_splits is None:
         num_splits = 1
         if decode_only:
@@ -316,9 +339,10 @@ def paged_attention_triton(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=tiles.block_n,
         NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=tiles.num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -219,3 +219,14 @@ def run_to_end(engine: LLMEngine) -> dict:
             if out.finished:
                 done[out.request_id] = out
     return done
+
+
+def test_triton_backend_gives_the_same_tokens_as_torch(tiny_dir: Path):
+    """The engine on its Triton kernels (the interpreter on a CPU) against the torch path,
+    on a mixed batch: chunked prefills beside decodes."""
+    reqs = prompts(3, (5, 21, 2))
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)
+    torch_run = run(make_engine(tiny_dir, max_num_batched_tokens=16), reqs, params)
+    engine = make_engine(tiny_dir, max_num_batched_tokens=16, attention_backend="triton")
+    assert engine.backend.name == "triton"
+    assert run(engine, reqs, params) == torch_run

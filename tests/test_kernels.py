@@ -221,12 +221,31 @@ def test_auto_split_choice() -> None:
     assert choose_num_splits(4096, 8, 4096, device) == 1
 
 
-def test_fp16(gen: torch.Generator) -> None:
+@pytest.mark.parametrize("shape", [(1, 4, 64, 16), (2, 1, 128, 32)], ids=["g4-d64", "g1-d128"])
+def test_fp16(gen: torch.Generator, shape: tuple[int, int, int, int]) -> None:
+    """Half precision takes the tensor-core tile sizes (fp32 uses smaller CUDA-core tiles)."""
+    num_kv_heads, group, head_dim, block_size = shape
     batch = make_batch(
-        gen, mixed(16), num_kv_heads=1, group=4, head_dim=64, block_size=16, dtype=torch.float16
+        gen,
+        mixed(block_size),
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float16,
     )
     check_attention(batch, 1e-2)
     check_attention(batch, 1e-2, num_splits=2)
+    decodes = make_batch(
+        gen,
+        [(1, 70), (1, 3)],
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float16,
+    )
+    check_attention(decodes, 1e-2)
 
 
 @needs_cuda

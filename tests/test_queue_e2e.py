@@ -1,0 +1,61 @@
+"""End to end on the default model: the queue changes nothing about what is generated."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+from producer.client import Client, make_request
+from tests.helpers import DEFAULT_MODEL
+from tests.test_worker_support import WorkerThread, check_reply, fast_config, make_engine
+from worker.loop import Worker
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Write a haiku about autumn.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Explain gravity in one sentence.",
+    "What do bees make?",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?",
+    "List two fruits that are red.",
+    "What is a message queue?",
+    "Describe the sea in five words.",
+    "Why is the sky blue?",
+    "What is the largest planet in our solar system?",
+    "Suggest a name for a pet turtle.",
+]
+PARAMS = {"temperature": 0, "max_tokens": 24}
+
+
+@pytest.mark.slow
+def test_sixteen_jobs_through_redis_match_the_engine_exactly(
+    redis_url: str, redis_namespace: str
+) -> None:
+    # No prefix cache: the second run must compute exactly what the first computed.
+    engine = make_engine(DEFAULT_MODEL, enable_prefix_caching=False, num_threads=None)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+
+    for i, messages in enumerate(conversations):
+        engine.add_request(f"direct-{i}", messages=messages, params=SamplingParams(**PARAMS))
+    direct = {}
+    while engine.has_unfinished():
+        direct.update({o.request_id: o for o in engine.step() if o.finished})
+
+    client = Client(redis_url, namespace=redis_namespace)
+    jobs = client.submit_many(make_request(messages=m, **PARAMS) for m in conversations)
+    with WorkerThread(Worker(engine, client.redis, fast_config(redis_namespace))):
+        replies = {job.id: check_reply(list(job.stream(timeout=300))) for job in jobs}
+
+    for i, job in enumerate(jobs):
+        expected = direct[f"direct-{i}"]
+        reply = replies[job.id]
+        assert reply.done.token_ids == expected.token_ids, QUESTIONS[i]
+        assert reply.done.text == expected.text
+        assert reply.text == reply.done.text  # the streamed pieces join up to the final text
+        assert reply.done.finish_reason == expected.finish_reason
+    assert "Paris" in replies[jobs[0].id].text
+    client.close()

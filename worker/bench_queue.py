@@ -1,0 +1,156 @@
+"""`tokenq bench queue`: what going through Redis costs, on workload W1.
+
+One engine, two runs of the same requests: straight into the engine, then through the
+queue (producer -> job stream -> worker -> reply streams -> client, the worker in a thread
+of this process). Reported: generated tokens per second of each and their ratio, and the
+time to first token each way with the difference at the median and p99. Prefix caching is
+off so the second run cannot reuse the first run's prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from producer.client import DEFAULT_REDIS_URL, Client, make_request
+from producer.protocol import DoneEvent, ErrorEvent, TokenEvent
+from worker.config import WorkerConfig
+from worker.logs import configure_logging
+
+
+@dataclass
+class RunResult:
+    seconds: float
+    tokens: int
+    ttft: list[float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest rank: with 32 samples p99 is the slowest one, which is what a user sees."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def run_direct(engine: Any, prompts: list[list[int]], params: dict[str, Any]) -> RunResult:
+    start = time.monotonic()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"direct-{i}", prompt_token_ids=ids, params=dict(params))
+    ttft: list[float] = []
+    tokens = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens += out.completion_tokens
+                ttft.append(out.metrics.ttft)
+    return RunResult(time.monotonic() - start, tokens, ttft)
+
+
+class QueueRunner:
+    """A worker thread on the engine and a client, in a namespace removed afterwards."""
+
+    def __init__(self, engine: Any, conn: Any) -> None:
+        from worker.loop import Worker
+
+        self.conn = conn
+        self.namespace = f"bench-{uuid.uuid4().hex[:8]}"
+        self.worker = Worker(engine, conn, WorkerConfig(namespace=self.namespace, block_ms=5))
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.client = Client(conn, namespace=self.namespace)
+
+    def __enter__(self) -> QueueRunner:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.stop(grace=0)
+        self.thread.join(timeout=30)
+        keys = list(self.conn.scan_iter(match=f"{self.namespace}:*", count=1000))
+        if keys:
+            self.conn.delete(*keys)
+
+    def run(self, prompts: list[list[int]], params: dict[str, Any]) -> RunResult:
+        start = time.monotonic()
+        jobs = self.client.submit_many(
+            make_request(prompt_token_ids=ids, **params) for ids in prompts
+        )
+        first: dict[str, float] = {}
+        tokens = 0
+        for job, event in self.client.stream_many(jobs, timeout=3600):
+            if isinstance(event, TokenEvent):
+                first.setdefault(job.id, time.monotonic() - start)
+            elif isinstance(event, DoneEvent):
+                tokens += event.usage.completion_tokens
+            elif isinstance(event, ErrorEvent):
+                raise RuntimeError(f"job {job.id} failed: {event.code}: {event.message}")
+        return RunResult(time.monotonic() - start, tokens, list(first.values()))
+
+
+def connect(url: str) -> Any:
+    """The given Redis server, or an in-process fakeredis when none answers."""
+    conn = redis.Redis.from_url(url, socket_connect_timeout=1)
+    try:
+        conn.ping()
+        return conn
+    except redis.ConnectionError:
+        import fakeredis
+
+        print(f"no Redis at {url}: using an in-process fakeredis (slower than a server)")
+        return fakeredis.FakeRedis()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine import EngineConfig, LLMEngine
+    from engine.bench import w1
+
+    ap = argparse.ArgumentParser(prog="tokenq bench queue", description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-threads", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    configure_logging(json=False, level="warning")
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            num_threads=args.num_threads,
+            enable_prefix_caching=False,
+        )
+    )
+    workload = w1(args.requests, args.prompt_len, args.gen)
+    params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.gen}
+    warmup = {**params, "max_tokens": 2}  # every prefill shape, in each run's own thread
+    run_direct(engine, workload.prompts, warmup)
+    direct = run_direct(engine, workload.prompts, params)
+    with QueueRunner(engine, connect(args.redis_url)) as queue:
+        queue.run(workload.prompts, warmup)
+        queued = queue.run(workload.prompts, params)
+
+    print(f"{workload.name}, {engine.model_config.num_layers}-layer model on {engine.device}")
+    print(f"{'':<10}{'tok/s':>10}{'TTFT p50':>12}{'TTFT p99':>12}")
+    for name, run in (("engine", direct), ("queue", queued)):
+        p50, p99 = percentile(run.ttft, 50), percentile(run.ttft, 99)
+        print(f"{name:<10}{run.tokens_per_s:>10.1f}{p50:>11.3f}s{p99:>11.3f}s")
+    added50 = percentile(queued.ttft, 50) - percentile(direct.ttft, 50)
+    added99 = percentile(queued.ttft, 99) - percentile(direct.ttft, 99)
+    print(
+        f"queue/engine throughput {queued.tokens_per_s / direct.tokens_per_s:.3f}; "
+        f"added TTFT p50 {added50 * 1000:+.1f} ms, p99 {added99 * 1000:+.1f} ms"
+    )
