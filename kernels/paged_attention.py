@@ -40,8 +40,8 @@ _PROGRAMS_PER_SM = 4
 @triton.jit
 def _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     """Largest sequence ``i`` whose first program number ``cu[i] // BLOCK_Q + i`` is <= pid."""
-    lo = pid * 0
-    hi = lo + num_seqs
+    lo = 0
+    hi = num_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= pid:
@@ -167,11 +167,13 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + token * stride_pl_t + head * stride_pl_h + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    cu_seqlens_q_ptr,
+    num_seqs,
     stride_po_t,
     stride_po_h,
     stride_po_s,
@@ -186,6 +188,8 @@ def _merge_splits_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if token >= tl.load(cu_seqlens_q_ptr + num_seqs):
+        return  # a padding row no sequence owns: left untouched, as by the reference
     splits = tl.arange(0, SPLITS_P2)
     split_ok = splits < NUM_SPLITS
     dims = tl.arange(0, HEAD_DIM)
@@ -266,8 +270,8 @@ def paged_attention_triton(
 
     ``max_query_len`` and ``max_seq_len`` are hints that spare a device-to-host read: with
     both given (or ``num_splits`` given) the call never synchronises, as CUDA-graph capture
-    requires. They only pick tile sizes and the split count; results do not depend on them
-    as long as they are upper bounds. ``num_splits=None`` splits the KV range automatically
+    requires. They only pick tile sizes and the split count, never the result: a wrong hint
+    costs speed, not correctness. ``num_splits=None`` splits the KV range automatically
     for decode-only batches (see ``choose_num_splits``); an explicit value forces it for any
     batch. ``split_scratch`` is an optional fp32 buffer of at least ``split_scratch_numel``
     elements, so that the split path allocates nothing.
@@ -287,7 +291,7 @@ def paged_attention_triton(
         raise ValueError("cu_seqlens_q, seq_lens and block_tables disagree on num_seqs")
     if out is None:
         out = torch.empty_like(q)
-    if num_tokens == 0:
+    if num_tokens == 0 or num_seqs == 0:
         return out
 
     group = num_heads // num_kv_heads
@@ -329,8 +333,8 @@ def paged_attention_triton(
         scale * _LOG2E,
         *q.stride(),
         *out.stride(),
-        *k_cache.stride()[:4],
-        *v_cache.stride()[:4],
+        *k_cache.stride(),
+        *v_cache.stride(),
         block_tables.stride(0),
         *part_out.stride()[:3],
         *part_lse.stride()[:2],
@@ -349,6 +353,8 @@ def paged_attention_triton(
             part_out,
             part_lse,
             out,
+            cu_seqlens_q,
+            num_seqs,
             *part_out.stride()[:3],
             *part_lse.stride()[:2],
             *out.stride(),

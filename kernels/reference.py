@@ -47,6 +47,18 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return g.transpose(-3, -2)  # [..., kvh, n * block_size, d]
 
 
+def _length_buckets(rows: list[int], lens: list[int], ratio: float = 1.5) -> list[list[int]]:
+    """Rows sorted by length, cut wherever padding to the bucket's longest would cost more
+    than ``ratio`` times the shortest: the gathered K/V stay near what is really needed."""
+    buckets: list[list[int]] = []
+    for i in sorted(rows, key=lens.__getitem__):
+        if buckets and lens[i] <= ratio * lens[buckets[-1][0]]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -59,8 +71,9 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
 
-    Decodes (query_len 1) are batched into one padded attention call, since a step usually
-    holds many of them; each prefill chunk gets its own call with its causal offset mask.
+    Decodes (query_len 1) are batched into padded attention calls, since a step usually
+    holds many of them, bucketed by length so that short ones are not padded to the longest;
+    each prefill chunk gets its own call with its causal offset mask.
     GQA is left to SDPA's ``enable_gqa`` so K/V are never repeated per query head.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -72,21 +85,20 @@ def paged_attention_torch(
     decodes = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
     prefills = [i for i in range(len(lens)) if cu[i + 1] - cu[i] > 1]
 
-    if decodes:
-        idx = torch.tensor(decodes, dtype=torch.long, device=q.device)
-        dec_lens = seq_lens.to(torch.long)[idx]
-        max_len = max(lens[i] for i in decodes)
-        nblk = -(-max_len // block_size)
+    for group in _length_buckets(decodes, lens):
+        idx = torch.tensor(group, dtype=torch.long, device=q.device)
+        nblk = -(-lens[group[-1]] // block_size)
         blocks = block_tables[idx, :nblk].to(torch.long)
         k = _gather(k_cache, blocks)  # [S, kvh, nblk*bs, d]
         v = _gather(v_cache, blocks)
         pos = torch.arange(nblk * block_size, device=q.device)
-        mask = (pos[None, :] < dec_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
-        rows = torch.tensor([cu[i] for i in decodes], dtype=torch.long, device=q.device)
+        valid = pos[None, :] < seq_lens.to(torch.long)[idx][:, None]
+        # An additive float mask keeps SDPA off its slower boolean-mask checks.
+        mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]  # [S, 1, 1, L]
+        rows = cu_seqlens_q.to(torch.long)[idx]
         qd = q[rows].unsqueeze(2)  # [S, h, 1, d]
-        o = F.scaled_dot_product_attention(
-            qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o.squeeze(2).to(out.dtype)
 
     for i in prefills:

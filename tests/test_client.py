@@ -235,3 +235,21 @@ def test_producer_and_submit_need_no_torch(redis_url: str, redis_namespace: str)
         {"role": "user", "content": "hello"}
     ]
     conn.close()
+
+
+def test_every_cli_option_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from producer.cli import build_parser, engine_kwargs, parse_size
+
+    monkeypatch.setenv("TOKENQ_MAX_NUM_SEQS", "3")
+    monkeypatch.setenv("TOKENQ_KV_CACHE_MEMORY", "2GiB")
+    monkeypatch.setenv("TOKENQ_MODEL", "/models/tiny")
+    monkeypatch.setenv("TOKENQ_REDIS_URL", "redis://elsewhere:6380/1")
+    args = build_parser().parse_args(["worker", "--block-size", "32"])
+    assert args.redis_url == "redis://elsewhere:6380/1"
+    assert engine_kwargs(args) == {
+        "model": "/models/tiny",
+        "max_num_seqs": 3,
+        "kv_cache_memory": 2 << 30,
+        "block_size": 32,
+    }
+    assert parse_size("512M") == 512 << 20 and parse_size("1048576") == 1 << 20

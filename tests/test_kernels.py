@@ -193,8 +193,9 @@ def test_random_batches_fp32(gen: torch.Generator, round_: int) -> None:
 
 def test_hints_and_forced_split_on_mixed_batch(gen: torch.Generator) -> None:
     """The sync-free call (both hints given) and the split path on prefill chunks."""
-    batch = make_batch(gen, mixed(16), num_kv_heads=2, group=4, head_dim=64, block_size=16)
-    hints = {"max_query_len": 70, "max_seq_len": 85}
+    seqs = [(1, 41), (20, 150), (1, 1), (9, 9)]
+    batch = make_batch(gen, seqs, num_kv_heads=2, group=4, head_dim=64, block_size=16)
+    hints = {"max_query_len": 20, "max_seq_len": 150}
     check_attention(batch, 1e-5, **hints)
     check_attention(batch, 1e-5, **hints, num_splits=3)
 
@@ -211,14 +212,26 @@ def test_split_kv_decode(gen: torch.Generator, group: int, head_dim: int) -> Non
     hints = {"max_query_len": 1, "max_seq_len": 300}
     check_attention(batch, 1e-5, **hints, num_splits=5, split_scratch=scratch)
     check_attention(batch, 1e-5, num_splits=1)
-    check_attention(batch, 1e-5)  # automatic choice
 
 
-def test_auto_split_choice() -> None:
-    device = torch.device("cpu")
-    assert choose_num_splits(1, 1, 4096, device) > 1
-    assert choose_num_splits(1, 1, 200, device) == 1
-    assert choose_num_splits(4096, 8, 4096, device) == 1
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_padding_rows_untouched(gen: torch.Generator, num_splits: int) -> None:
+    """Rows past ``cu_seqlens_q[-1]`` (CUDA-graph padding) are left as they are."""
+    batch = make_batch(gen, [(1, 40), (1, 7)], num_kv_heads=1, group=4, head_dim=64, block_size=16)
+    q = torch.cat([batch.q, randn(gen, 3, *batch.q.shape[1:])])
+    out = torch.full_like(q, float("nan"))
+    paged_attention_triton(q, *batch.args()[1:], out, num_splits=num_splits)
+    assert not out[:2].isnan().any() and out[2:].isnan().all()
+
+
+def test_auto_split(gen: torch.Generator) -> None:
+    """A lone long decode is split automatically, with or without the sync-free hints."""
+    assert choose_num_splits(1, 1, 600, DEVICE) == 2  # by length, on any device
+    assert choose_num_splits(1, 1, 200, DEVICE) == 1
+    assert choose_num_splits(4096, 8, 4096, DEVICE) == 1  # enough programs already
+    batch = make_batch(gen, [(1, 600)], num_kv_heads=1, group=4, head_dim=64, block_size=16)
+    check_attention(batch, 1e-5)
+    check_attention(batch, 1e-5, max_query_len=1, max_seq_len=600)
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 64, 16), (2, 1, 128, 32)], ids=["g4-d64", "g1-d128"])

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import redis
+import structlog
 
+from producer import cli
 from producer.client import Client, make_request
 from producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
 from tests.test_worker_support import (
@@ -20,6 +24,7 @@ from tests.test_worker_support import (
     tiny_model,  # noqa: F401
     wait_for,
 )
+from worker.logs import configure_logging
 from worker.loop import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -318,3 +323,87 @@ def test_redelivery_of_a_finished_job_does_not_run_it_again(
     assert [e.type for e in reply_events(conn, keys, "once")].count("done") == 1
     assert sum(worker.metrics.request_success_total.values()) == 1
     client.close()
+
+
+def test_a_worker_holds_no_more_jobs_than_its_engine_admits(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn, keys = client.redis, client.keys
+    jobs = client.submit_many(make_request(f"job {i}", max_tokens=40, **GREEDY) for i in range(6))
+    held = []
+    with WorkerThread(
+        Worker(make_engine(tiny_model, max_num_seqs=2), conn, fast_config(redis_namespace))
+    ):
+        while not all(j.status() == "done" for j in jobs):
+            held.append(conn.xpending(keys.jobs, "workers")["pending"])
+            time.sleep(0.005)
+    assert max(held) == 2  # the other four stayed in the stream for any worker to take
+
+
+def test_a_live_worker_keeps_its_long_job_from_other_workers(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn = client.redis
+    # Far longer than the claim idle time of 300 ms: only heartbeats keep it with its owner.
+    job = client.submit("a very long job", max_tokens=500, **GREEDY)
+    config = fast_config(redis_namespace, claim_idle_ms=300)
+    owner = Worker(make_engine(tiny_model), conn, replace(config, consumer="owner"))
+    with WorkerThread(owner):
+        wait_for(lambda: job.id in owner.in_flight)
+        rival = Worker(make_engine(tiny_model), conn, replace(config, consumer="rival"))
+        with WorkerThread(rival):
+            reply = check_reply(list(job.stream(timeout=120)))
+    assert reply.done.usage.completion_tokens == 500
+    assert reply.done.timings.total > 1.0  # it did outlive several claim idle periods
+    assert sum(owner.metrics.request_success_total.values()) == 1
+    assert sum(rival.metrics.request_success_total.values()) == 0
+
+
+def test_a_restarted_worker_replays_its_own_pending_jobs_first(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn = client.redis
+    job = client.submit("interrupted", max_tokens=30, **GREEDY)
+    # No other worker could reclaim it for a minute: only the replay from id 0 can help.
+    config = fast_config(redis_namespace, consumer="stable-name", claim_idle_ms=60_000)
+    first = Worker(make_engine(tiny_model), conn, config)
+    first.ensure_group()
+    while not any(isinstance(e, TokenEvent) for e in reply_events(conn, client.keys, job.id)):
+        first.run_once()
+    # The process "dies" here; its successor under the same name starts.
+    with WorkerThread(Worker(make_engine(tiny_model), conn, config)):
+        reply = check_reply(list(job.stream(timeout=10)))
+    assert reply.done.usage.completion_tokens == 30
+    assert not any(e.type == "restart" for e in reply.events)
+
+
+def test_tokenq_submit_prints_the_answer(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    common = ["--redis-url", redis_url, "--namespace", redis_namespace, "--max-tokens", "5"]
+    configure_logging(level="warning")  # keep the worker's lines out of the captured stdout
+    conn = redis.Redis.from_url(redis_url)
+    with WorkerThread(Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))):
+        assert cli.main(["submit", "Hello", "--json", *common]) == 0
+        done = json.loads(capsys.readouterr().out)
+        assert done["finish_reason"] in ("length", "stop") and done["usage"]["total_tokens"] > 0
+        assert cli.main(["submit", "Hello", "--stream", "--raw", *common]) == 0
+        streamed = capsys.readouterr().out
+        assert streamed.rstrip().endswith("tokens]")
+        assert cli.main(["submit", "Hi", "--temperature", "-1", *common]) == cli.EXIT_JOB_FAILED
+        errors = capsys.readouterr().err.splitlines()
+        assert any(e.startswith("tokenq: job") and "invalid_params" in e for e in errors)
+    conn.close()
+    structlog.reset_defaults()

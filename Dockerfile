@@ -1,0 +1,20 @@
+# A tokenq worker (CPU torch; for GPUs start from an image with CUDA torch instead).
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    TOKENQ_CACHE_DIR=/models
+
+WORKDIR /app
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+COPY pyproject.toml README.md ./
+COPY engine engine
+COPY kernels kernels
+COPY producer producer
+COPY worker worker
+RUN pip install '.[worker]'
+# The default model is baked into the image: workers never download at run time.
+RUN python -m engine.models fetch smollm2-135m
+
+ENTRYPOINT ["tokenq"]
+CMD ["worker"]
