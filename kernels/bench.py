@@ -16,6 +16,7 @@ from kernels.paged_attention import choose_num_splits, paged_attention_triton
 from kernels.reference import paged_attention_torch
 
 _COPY_BYTES = 1 << 30
+_NO_CUDA = "kernels.bench needs a CUDA device: the Triton kernels are GPU-only"
 
 
 def _time_ms(fn) -> float:
@@ -44,7 +45,7 @@ def run_kernel_bench(
     scattered as in production rather than one contiguous stream.
     """
     if not torch.cuda.is_available():
-        raise RuntimeError("kernels.bench needs a CUDA device: Triton kernels are GPU-only")
+        raise RuntimeError(_NO_CUDA)
 
     device = torch.device("cuda")
     blocks_per_seq = -(-context // block_size)
@@ -91,11 +92,10 @@ def run_kernel_bench(
 
 
 def main() -> int:
-    try:
-        run_kernel_bench()
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if not torch.cuda.is_available():
+        print(f"error: {_NO_CUDA}", file=sys.stderr)
         return 1
+    run_kernel_bench()
     return 0
 
 

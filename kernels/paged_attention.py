@@ -159,8 +159,8 @@ def _paged_attention_kernel(
         o_ptrs += dims[None, :] * stride_o_d
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        # An empty split merges with weight 0.
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        # An empty split has m = -inf, so lse = -inf: it merges with weight 0.
+        lse = m_i + tl.log2(tl.where(empty, 1.0, l_i))
         po_ptrs = part_out_ptr + token[:, None] * stride_po_t + head[:, None] * stride_po_h
         po_ptrs += split * stride_po_s + dims[None, :]
         tl.store(po_ptrs, o, mask=row_ok[:, None])
@@ -289,6 +289,8 @@ def paged_attention_triton(
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
         raise ValueError("cu_seqlens_q, seq_lens and block_tables disagree on num_seqs")
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:

@@ -1,0 +1,30 @@
+"""The client side of tokenq: submit jobs, read replies. Needs redis and msgpack, no torch."""
+
+from producer.client import AsyncClient, AsyncJob, Client, ClientConfig, Job, make_request
+from producer.errors import ClientClosed, JobFailed, QueueFull
+from producer.protocol import (
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    JobRequest,
+    RestartEvent,
+    TokenEvent,
+)
+
+__all__ = [
+    "AsyncClient",
+    "AsyncJob",
+    "Client",
+    "ClientClosed",
+    "ClientConfig",
+    "DoneEvent",
+    "ErrorEvent",
+    "Event",
+    "Job",
+    "JobFailed",
+    "JobRequest",
+    "QueueFull",
+    "RestartEvent",
+    "TokenEvent",
+    "make_request",
+]

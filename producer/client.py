@@ -163,7 +163,8 @@ class Job:
         self.client.redis.set(self.client.keys.cancel(self.id), b"1", ex=self.client.config.job_ttl)
 
     def status(self) -> str:
-        """queued, running, done, error, or unknown (never submitted, or expired)."""
+        """queued, running (tokens are streaming), done, error, or unknown (never
+        submitted, or its idempotency window has passed)."""
         value = self.client.redis.get(self.client.keys.job(self.id))
         return value.decode() if value else "unknown"
 

@@ -7,7 +7,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention import AttentionMetadata
-from engine.hf_reference import build_hf_model, greedy_config
+from engine.hf_reference import build_hf_model
 from engine.loader import load_checkpoint, resolve_model
 
 pytestmark = pytest.mark.slow

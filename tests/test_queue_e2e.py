@@ -28,7 +28,7 @@ QUESTIONS = [
     "What is the largest planet in our solar system?",
     "Suggest a name for a pet turtle.",
 ]
-PARAMS = {"temperature": 0, "max_tokens": 24}
+PARAMS = {"temperature": 0, "max_tokens": 16}
 
 
 @pytest.mark.slow

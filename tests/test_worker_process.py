@@ -105,7 +105,7 @@ def test_sigterm_past_the_grace_leaves_jobs_for_another_worker(
     assert len(pending) == 3
     # Handed back: idle already long enough for any worker's XAUTOCLAIM.
     assert all(p["time_since_delivered"] >= CLAIM_IDLE_MS for p in pending)
-    assert all(j.status() == "queued" for j in jobs)
+    assert all(j.status() == "running" for j in jobs)  # started, not finished
     check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
 
 

@@ -22,11 +22,15 @@ class Rejection:
     metadata: Any = None  # echoed in the error event when the payload could be read
 
 
+def lost_payload() -> Rejection:
+    return Rejection("lost_payload", "the entry was trimmed from the job stream while pending")
+
+
 def parse_entry(
     fields: dict[bytes, bytes] | None, deliveries: int, max_deliveries: int
 ) -> JobRequest | Rejection:
     if not fields:
-        return Rejection("lost_payload", "the entry was trimmed from the job stream while pending")
+        return lost_payload()
     try:
         job = decode_job(fields)
     except ProtocolError as exc:

@@ -35,6 +35,7 @@ from worker.intake import (
     check_model,
     engine_params,
     enqueue_time,
+    lost_payload,
     parse_entry,
     to_monotonic,
 )
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from engine.outputs import RequestOutput
 
-STATUS_DONE, STATUS_ERROR = b"done", b"error"
+STATUS_RUNNING, STATUS_DONE, STATUS_ERROR = b"running", b"done", b"error"
 Entry = tuple[bytes, dict[bytes, bytes]]
 
 
@@ -55,7 +56,16 @@ class InFlight:
     entry_id: bytes
     deliveries: int
     continuation: Continuation
-    reply_ttl_set: bool = False
+    streaming: bool = False  # its first events are written (reply TTL and status set)
+
+
+@dataclass
+class Delivery:
+    """One job stream entry as this worker received it."""
+
+    entry_id: bytes
+    fields: dict[bytes, bytes] | None
+    count: int  # times delivered, this one included
 
 
 @dataclass
@@ -82,6 +92,12 @@ def _wire_logprobs(logprobs: list[dict[int, float]] | None) -> Logprobs | None:
 
 
 class Worker:
+    """Drives one engine from one job stream.
+
+    One thread calls `run()` (or `run_once()` in tests); `stop()` may be called from any
+    thread or a signal handler.
+    """
+
     def __init__(
         self, engine: LLMEngine, conn: redis.Redis, config: WorkerConfig | None = None
     ) -> None:
@@ -222,7 +238,7 @@ class Worker:
         deleted = resp[2] if len(resp) > 2 else []
         if deleted:
             # Redis >= 7 drops trimmed entries from the PEL itself and only reports them.
-            self._settle([self._reject(eid, None, parse_entry(None, 0, 0), 0) for eid in deleted])
+            self._settle([self._reject(Delivery(eid, None, 0), lost_payload()) for eid in deleted])
         if entries:
             self.log.info("reclaimed jobs", count=len(entries))
             self._take(entries, redelivered=True)
@@ -246,27 +262,27 @@ class Worker:
             return
         counts = self._delivery_counts([eid for eid, _ in entries]) if redelivered else {}
         settle: list[Settlement] = []
-        candidates: list[tuple[bytes, JobRequest, int]] = []
+        candidates: list[tuple[Delivery, JobRequest]] = []
         for eid, fields in entries:
-            deliveries = counts.get(eid, 1)
-            parsed = parse_entry(fields, deliveries, self.config.max_deliveries)
+            delivery = Delivery(eid, fields, counts.get(eid, 1))
+            parsed = parse_entry(fields, delivery.count, self.config.max_deliveries)
             if isinstance(parsed, JobRequest):
                 if parsed.job_id in self.in_flight or any(
-                    parsed.job_id == job.job_id for _, job, _ in candidates
+                    parsed.job_id == job.job_id for _, job in candidates
                 ):
                     settle.append(Settlement(eid))  # a second entry for a job running here
                     continue
                 parsed = check_model(parsed, self.config.model_names) or parsed
             if isinstance(parsed, Rejection):
-                settle.append(self._reject(eid, fields, parsed, deliveries))
+                settle.append(self._reject(delivery, parsed))
             else:
-                candidates.append((eid, parsed, deliveries))
+                candidates.append((delivery, parsed))
         if candidates:
             settle += self._start(candidates)
         if settle:
             self._settle(settle)
 
-    def _start(self, candidates: list[tuple[bytes, JobRequest, int]]) -> list[Settlement]:
+    def _start(self, candidates: list[tuple[Delivery, JobRequest]]) -> list[Settlement]:
         """Claim ownership, read what the reply stream already holds, start the rest.
 
         The owner key is set before the reply stream is read, in one transaction: a worker
@@ -275,7 +291,7 @@ class Worker:
         """
         k = self.keys
         with self.redis.pipeline(transaction=True) as pipe:
-            for _, job, _ in candidates:
+            for _, job in candidates:
                 jid = job.job_id
                 pipe.get(k.job(jid))
                 pipe.exists(k.cancel(jid))
@@ -283,10 +299,10 @@ class Worker:
                 pipe.xrange(k.reply(jid))
             results = pipe.execute()
         settle: list[Settlement] = []
-        for i, (eid, job, deliveries) in enumerate(candidates):
+        for i, (delivery, job) in enumerate(candidates):
             status, cancelled, _, reply = results[4 * i : 4 * i + 4]
             history = ReplyHistory.from_entries(reply)
-            jid = job.job_id
+            eid, jid = delivery.entry_id, job.job_id
             assert jid is not None
             if status in (STATUS_DONE, STATUS_ERROR) or history.terminal is not None:
                 self._job_log(jid).info(
@@ -305,19 +321,20 @@ class Worker:
                     dead_letter=False,
                     metadata=job.metadata,
                 )
-                settle.append(self._reject(eid, None, late, deliveries, release_owner=True))
+                settle.append(self._reject(delivery, late, release_owner=True))
                 continue
             rejection = self._add_to_engine(eid, job)
             if rejection is not None:
-                settle.append(self._reject(eid, None, rejection, deliveries, release_owner=True))
+                settle.append(self._reject(delivery, rejection, release_owner=True))
                 continue
+            with_logprobs = job.params.get("logprobs") is not None
             self.in_flight[jid] = InFlight(
-                job, eid, deliveries, Continuation(history, job.params.get("logprobs") is not None)
+                job, eid, delivery.count, Continuation(history, with_logprobs)
             )
             self._job_log(jid).info(
                 "job started",
                 entry_id=eid.decode(),
-                deliveries=deliveries,
+                deliveries=delivery.count,
                 resumed_tokens=len(history.token_ids),
             )
         return settle
@@ -362,37 +379,29 @@ class Worker:
         return Settlement(entry_id, job.job_id, done, STATUS_DONE, release_owner=True)
 
     def _reject(
-        self,
-        entry_id: bytes,
-        fields: dict[bytes, bytes] | None,
-        rejection: Rejection,
-        deliveries: int,
-        release_owner: bool = False,
+        self, delivery: Delivery, rejection: Rejection, release_owner: bool = False
     ) -> Settlement:
-        jid = rejection.job_id
+        jid, eid = rejection.job_id, delivery.entry_id
         self.metrics.failed(rejection.code)
         self._job_log(jid).warning(
-            "job rejected",
-            code=rejection.code,
-            message=rejection.message,
-            entry_id=entry_id.decode(),
+            "job rejected", code=rejection.code, message=rejection.message, entry_id=eid.decode()
         )
         dead = None
         if rejection.dead_letter:
             dead = {
-                "entry_id": entry_id,
+                "entry_id": eid,
                 "job_id": jid or "",
                 "code": rejection.code,
                 "message": rejection.message,
-                "deliveries": deliveries,
+                "deliveries": delivery.count,
                 "consumer": self.config.consumer,
                 "failed_at": time.time(),
-                "fields": pack(fields or {}),
+                "fields": pack(delivery.fields or {}),
             }
         event = None
         if jid is not None:
             event = ErrorEvent(rejection.code, rejection.message, rejection.metadata)
-        return Settlement(entry_id, jid, event, STATUS_ERROR, release_owner, dead)
+        return Settlement(eid, jid, event, STATUS_ERROR, release_owner, dead)
 
     def _settle(self, items: list[Settlement]) -> None:
         """Final events, dead letters, and the XACK that must come after them, atomically."""
@@ -470,7 +479,7 @@ class Worker:
                     continue  # an owner key changed under us: look again
         for jid, evs in events.items():
             if evs and jid in self.in_flight:
-                self.in_flight[jid].reply_ttl_set = True
+                self.in_flight[jid].streaming = True
         for jid, out in finished.items():
             self._account(self.in_flight.pop(jid), out)
 
@@ -508,8 +517,9 @@ class Worker:
             reply = self.keys.reply(jid)
             for ev in evs:
                 pipe.xadd(reply, encode_event(ev))
-            if not inf.reply_ttl_set:
+            if not inf.streaming:
                 pipe.expire(reply, self.config.running_reply_ttl_s)
+                pipe.set(self.keys.job(jid), STATUS_RUNNING, xx=True, keepttl=True)
 
     def _queue_finished(self, pipe: Any, finished: dict[str, RequestOutput]) -> None:
         k, c = self.keys, self.config
