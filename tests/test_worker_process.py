@@ -6,8 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,25 +31,33 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 CLAIM_IDLE_MS = 1000
 
 
-@contextmanager
-def worker_process(
-    model: Path, url: str, namespace: str, grace: float
-) -> Iterator[subprocess.Popen]:
-    cmd = [
-        sys.executable, "-m", "producer.cli", "worker",
-        "--model", str(model), "--device", "cpu", "--dtype", "float32",
-        "--num-kv-blocks", "512", "--max-num-seqs", "8", "--num-threads", "1",
-        "--redis-url", url, "--namespace", namespace, "--consumer", "proc",
-        "--claim-idle-ms", str(CLAIM_IDLE_MS), "--grace-period", str(grace),
-        "--metrics-interval", "0.5",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
+class WorkerProcess:
+    """`tokenq worker` in a subprocess; its log goes to a file (a pipe nobody reads could
+    fill up and block the worker)."""
+
+    def __init__(self, model: Path, url: str, namespace: str, grace: float, log: Path) -> None:
+        cmd = [
+            sys.executable, "-m", "producer.cli", "worker",
+            "--model", str(model), "--device", "cpu", "--dtype", "float32",
+            "--num-kv-blocks", "512", "--max-num-seqs", "8", "--num-threads", "1",
+            "--redis-url", url, "--namespace", namespace, "--consumer", "proc",
+            "--claim-idle-ms", str(CLAIM_IDLE_MS), "--grace-period", str(grace),
+            "--metrics-interval", "0.5",
+        ]  # fmt: skip
+        self.log = log
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_clean_exit(self, timeout: float) -> None:
+        assert self.proc.wait(timeout=timeout) == 0, self.log.read_text()[-3000:]
+
+    def __enter__(self) -> WorkerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
 
 
 def tokens_so_far(conn: redis.Redis, client: Client, job: Job) -> int:
@@ -70,19 +76,20 @@ def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(
     tiny_model: Path,  # noqa: F811
     redis_url: str,
     redis_namespace: str,
+    tmp_path: Path,
 ) -> None:
     client = Client(redis_url, namespace=redis_namespace)
     conn = client.redis
-    jobs, _ = submit(client, 3, 100)
-    with worker_process(tiny_model, redis_url, redis_namespace, grace=60) as proc:
+    jobs, _ = submit(client, 3, 300)
+    with WorkerProcess(tiny_model, redis_url, redis_namespace, 60, tmp_path / "w.log") as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
-        proc.send_signal(signal.SIGTERM)
+        worker.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # let the handler run before anything new arrives
         later = client.submit("submitted after the stop", max_tokens=4)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+        worker.wait_clean_exit(timeout=60)
     for job in jobs:
         reply = check_reply(list(job.stream(timeout=5)))
-        assert reply.done.usage.completion_tokens == 100
+        assert reply.done.usage.completion_tokens == 300
     assert later.status() == "queued"  # a stopping worker takes no new job
     assert conn.xlen(client.keys.jobs) == 1
     assert conn.xpending(client.keys.jobs, "workers")["pending"] == 0
@@ -93,14 +100,15 @@ def test_sigterm_past_the_grace_leaves_jobs_for_another_worker(
     tiny_model: Path,  # noqa: F811
     redis_url: str,
     redis_namespace: str,
+    tmp_path: Path,
 ) -> None:
     client = Client(redis_url, namespace=redis_namespace)
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
-    with worker_process(tiny_model, redis_url, redis_namespace, grace=0.2) as proc:
+    with WorkerProcess(tiny_model, redis_url, redis_namespace, 0, tmp_path / "w.log") as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-3000:]
+        worker.proc.send_signal(signal.SIGTERM)
+        worker.wait_clean_exit(timeout=30)
     pending = conn.xpending_range(client.keys.jobs, "workers", "-", "+", 10)
     assert len(pending) == 3
     # Handed back: idle already long enough for any worker's XAUTOCLAIM.
@@ -113,14 +121,15 @@ def test_a_killed_worker_loses_no_job_and_duplicates_no_token(
     tiny_model: Path,  # noqa: F811
     redis_url: str,
     redis_namespace: str,
+    tmp_path: Path,
 ) -> None:
     client = Client(redis_url, namespace=redis_namespace)
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
-    with worker_process(tiny_model, redis_url, redis_namespace, grace=30) as proc:
+    with WorkerProcess(tiny_model, redis_url, redis_namespace, 30, tmp_path / "w.log") as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
-        proc.kill()
-        proc.wait(timeout=30)
+        worker.proc.kill()
+        worker.proc.wait(timeout=30)
     assert len(conn.xpending_range(client.keys.jobs, "workers", "-", "+", 10)) == 3
     check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
 
