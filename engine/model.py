@@ -17,13 +17,34 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 
 
+class Linear:
+    """``x @ W.T (+ b)``. On a CPU with oneDNN the weight is packed once into oneDNN's
+    blocked layout: measured here about twice as fast as ``F.linear`` for decode-sized
+    batches (32 rows) and a quarter faster for prefill-sized ones."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.bias = bias
+        self.weight: torch.Tensor | None = weight
+        self.packed: torch.Tensor | None = None
+        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                self.weight = None
+            except (AttributeError, RuntimeError):  # a torch build without the op
+                self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 @dataclass
 class LayerWeights:
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
     input_norm: torch.Tensor
     post_norm: torch.Tensor
 
@@ -46,7 +67,7 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
+        self.lm_head = Linear(w("lm_head.weight") if "lm_head.weight" in weights else self.embed)
         self.norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
@@ -57,11 +78,10 @@ class LlamaModel:
                 bias = torch.cat([w(a + f"{x}_proj.bias") for x in "qkv"])
             self.layers.append(
                 LayerWeights(
-                    qkv=torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]),
-                    qkv_bias=bias,
-                    o=w(a + "o_proj.weight"),
-                    gate_up=torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]),
-                    down=w(m + "down_proj.weight"),
+                    qkv=Linear(torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]), bias),
+                    o=Linear(w(a + "o_proj.weight")),
+                    gate_up=Linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])),
+                    down=Linear(w(m + "down_proj.weight")),
                     input_norm=w(p + "input_layernorm.weight"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
                 )
@@ -103,16 +123,16 @@ class LlamaModel:
         attn_out = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
         for i, layer in enumerate(self.layers):
             y = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
-            qkv = F.linear(y, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(y)
             q = self._rope(qkv[:, :q_size].view(n, h, d), cos, sin)
             k = self._rope(qkv[:, q_size : q_size + kv_size].view(n, kvh, d), cos, sin)
             v = qkv[:, q_size + kv_size :].view(n, kvh, d)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             self.backend.attention(q, k_cache, v_cache, meta, self.scale, attn_out)
-            x = x + F.linear(attn_out.view(n, q_size), layer.o)
+            x = x + layer.o(attn_out.view(n, q_size))
             y = F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps)
-            gate, up = F.linear(y, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(y).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         x = F.rms_norm(x[logits_indices], (x.shape[-1],), self.norm, eps)
-        return F.linear(x, self.lm_head)
+        return self.lm_head(x)
