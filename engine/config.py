@@ -254,7 +254,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
