@@ -44,7 +44,14 @@ class AttentionBackend:
             self._write = write_kv_torch
             self._attend = None
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:  # noqa: ANN001
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         self._write(k, v, k_cache, v_cache, slot_mapping)
 
     def attention(

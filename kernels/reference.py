@@ -12,6 +12,10 @@ into another layout):
   ``j*block_size .. (j+1)*block_size-1``; rows are padded with any valid block id.
 - New query ``q`` (position ``context_len + q``, where ``context_len = seq_len - query_len``)
   sees keys at positions ``<= context_len + q``.
+
+Decodes read whole blocks and mask the unused tail, so those slots must hold finite values
+(the engine allocates its cache zero-filled); the Triton kernels never read past
+``seq_len``.
 """
 
 from __future__ import annotations
