@@ -51,7 +51,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return g.transpose(-3, -2)  # [..., kvh, n * block_size, d]
 
 
-def _length_buckets(rows: list[int], lens: list[int], ratio: float = 1.5) -> list[list[int]]:
+def _length_buckets(rows: list[int], lens: list[int], ratio: float = 3.0) -> list[list[int]]:
     """Rows sorted by length, cut wherever padding to the bucket's longest would cost more
     than ``ratio`` times the shortest: the gathered K/V stay near what is really needed."""
     buckets: list[list[int]] = []
