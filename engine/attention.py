@@ -1,7 +1,7 @@
-"""Chooses the attention implementation: plain torch on the CPU, Triton on CUDA.
+"""Chooses the attention implementation: C kernels or plain torch on the CPU, Triton on CUDA.
 
-Both read the same paged cache in place; the torch one (``kernels.reference``) is also
-what the Triton kernels are tested against.
+All read the same paged cache in place; the torch one (``kernels.reference``) is also what
+the Triton and C kernels are tested against.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import paged_attention_torch, write_kv_torch
+from kernels import cpu_ops
+from kernels.reference import TorchAttentionPlan, paged_attention_torch, plan_attention_torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass
@@ -20,29 +21,48 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
     seq_lens: torch.Tensor  # int32 [num_seqs]
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
-    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens], every slot valid
     max_query_len: int
     max_seq_len: int
+    plan: TorchAttentionPlan | None = None  # set by AttentionBackend.prepare
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: Triton on CUDA; on the CPU the C kernels where they can be built (float32
+    only), else torch."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if dtype == torch.float32 and cpu_ops.available() else "torch"
 
 
 class AttentionBackend:
-    """``write_kv`` then ``attention`` for one layer, by the backend's name."""
+    """``prepare`` once per step, then ``write_kv`` and ``attention`` for each layer."""
 
-    def __init__(self, name: str, device: torch.device) -> None:
-        if name not in BACKENDS:
-            raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
-        if name == "auto":
-            name = "triton" if device.type == "cuda" else "torch"
-        self.name = name
-        if name == "triton":
+    def __init__(self, name: str, device: torch.device, dtype: torch.dtype) -> None:
+        self.name = resolve_backend(name, device, dtype)
+        if self.name == "cpu" and not cpu_ops.available():
+            raise RuntimeError("attention backend 'cpu' needs the C kernels, which did not build")
+        self._triton = None
+        if self.name == "triton":
             from kernels.kv_write import write_kv_triton
             from kernels.paged_attention import paged_attention_triton
 
-            self._write = write_kv_triton
-            self._attend = paged_attention_triton
-        else:
-            self._write = write_kv_torch
-            self._attend = None
+            self._triton = (write_kv_triton, paged_attention_triton)
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Plan the batch's attention once for all layers (the CPU backends)."""
+        if self.name != "triton":
+            meta.plan = plan_attention_torch(
+                meta.cu_seqlens_q,
+                meta.seq_lens,
+                meta.block_tables,
+                block_size,
+                bucket_decodes=self.name == "torch",
+            )
 
     def write_kv(
         self,
@@ -52,7 +72,13 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        self._write(k, v, k_cache, v_cache, slot_mapping)
+        if self._triton is not None:
+            self._triton[0](k, v, k_cache, v_cache, slot_mapping)
+            return
+        # The engine never sends a negative slot, so skip the reference's filtering.
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
     def attention(
         self,
@@ -64,8 +90,18 @@ class AttentionBackend:
         out: torch.Tensor,
     ) -> torch.Tensor:
         args = (q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale)
-        if self._attend is None:
-            return paged_attention_torch(*args, out=out)
-        return self._attend(
-            *args, out=out, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len
-        )
+        if self._triton is not None:
+            return self._triton[1](
+                *args, out=out, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len
+            )
+        if meta.plan is None:
+            self.prepare(meta, k_cache.shape[1])
+        if self.name == "cpu":
+            # Decodes in C straight from the cache; prefill chunks through SDPA, whose
+            # matrix products beat a per-token loop once a chunk has many queries.
+            if meta.plan.decode_seqs.numel():
+                cpu_ops.paged_attention_cpu(*args, out=out, seqs=meta.plan.decode_seqs)
+            if meta.plan.prefills:
+                paged_attention_torch(*args, out=out, plan=meta.plan)
+            return out
+        return paged_attention_torch(*args, out=out, plan=meta.plan)

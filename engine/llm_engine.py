@@ -55,7 +55,7 @@ class LLMEngine:
             dtype=self.dtype,
             device=self.device,
         )
-        self.backend = AttentionBackend(config.attention_backend, self.device)
+        self.backend = AttentionBackend(config.attention_backend, self.device, self.dtype)
         self.model = LlamaModel(
             mc,
             weights,

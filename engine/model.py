@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from kernels import cpu_ops
 
 
 class Linear:
@@ -112,6 +113,9 @@ class LlamaModel:
         ``kv_cache`` is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``;
         the new tokens' K/V are written into it before attention reads it.
         """
+        self.backend.prepare(meta, kv_cache.shape[3])
+        if self.backend.name == "cpu":
+            return self._forward_cpu(input_ids, positions, meta, kv_cache, logits_indices)
         cfg = self.cfg
         n = input_ids.shape[0]
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -136,3 +140,43 @@ class LlamaModel:
             x = x + layer.down(F.silu(gate) * up)
         x = F.rms_norm(x[logits_indices], (x.shape[-1],), self.norm, eps)
         return self.lm_head(x)
+
+    def _forward_cpu(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` with the C kernels: each residual add fused into the next norm, the
+        rotary embedding applied in place to the QKV product, SiLU fused with its product.
+        Between the matrix products a layer is then a handful of calls, not dozens."""
+        cfg = self.cfg
+        n = input_ids.shape[0]
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = h * d, kvh * d
+        eps = cfg.rms_norm_eps
+        x = F.embedding(input_ids, self.embed)
+        y = torch.empty_like(x)
+        act = torch.empty(n, cfg.intermediate_size, dtype=x.dtype)
+        attn_out = torch.empty(n, h, d, dtype=x.dtype)
+        delta = None  # the last sublayer's output, not yet added to x
+        for i, layer in enumerate(self.layers):
+            cpu_ops.add_rms_norm_cpu(x, delta, layer.input_norm, eps, y)
+            qkv = layer.qkv(y)
+            cpu_ops.rope_cpu(qkv, h + kvh, d, positions, self.cos, self.sin)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            self.backend.write_kv(
+                qkv[:, q_size : q_size + kv_size].view(n, kvh, d),
+                qkv[:, q_size + kv_size :].view(n, kvh, d),
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+            )
+            q = qkv[:, :q_size].view(n, h, d)
+            self.backend.attention(q, k_cache, v_cache, meta, self.scale, attn_out)
+            cpu_ops.add_rms_norm_cpu(x, layer.o(attn_out.view(n, q_size)), layer.post_norm, eps, y)
+            delta = layer.down(cpu_ops.silu_mul_cpu(layer.gate_up(y), act))
+        cpu_ops.add_rms_norm_cpu(x, delta, self.norm, eps, y)
+        return self.lm_head(y[logits_indices])

@@ -20,6 +20,8 @@ Decodes read whole blocks and mask the unused tail, so those slots must hold fin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -63,6 +65,73 @@ def _length_buckets(rows: list[int], lens: list[int], ratio: float = 3.0) -> lis
     return buckets
 
 
+@dataclass
+class DecodeBucket:
+    """Decodes attended in one padded SDPA call."""
+
+    rows: torch.Tensor  # their query rows
+    blocks: torch.Tensor  # [S, nblk] block ids, int64
+    mask: torch.Tensor  # [S, 1, 1, nblk * block_size] additive: 0 or -inf
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first query row
+    end: int
+    seq_len: int
+    blocks: torch.Tensor  # int64 block ids covering seq_len
+
+
+@dataclass
+class TorchAttentionPlan:
+    """Everything about a batch's shape that every layer would otherwise recompute: the
+    engine builds it once per step and each layer only gathers and attends."""
+
+    decodes: list[DecodeBucket]
+    prefills: list[PrefillChunk]
+    decode_seqs: torch.Tensor  # int32 indices of the decoding sequences
+
+
+def plan_attention_torch(
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    bucket_decodes: bool = True,
+) -> TorchAttentionPlan:
+    """Split a batch into decode buckets (when ``bucket_decodes``) and prefill chunks.
+
+    Decodes are batched into padded attention calls, since a step usually holds many of
+    them, bucketed by length so that short ones are not padded to the longest.
+    """
+    dev = cu_seqlens_q.device
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    decodes = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
+    buckets = []
+    for group in _length_buckets(decodes, lens) if bucket_decodes else []:
+        nblk = -(-lens[group[-1]] // block_size)
+        idx = torch.tensor(group, dtype=torch.long, device=dev)
+        valid = torch.arange(nblk * block_size, device=dev)[None, :] < seq_lens[idx][:, None]
+        # An additive float mask keeps SDPA off its slower boolean-mask checks.
+        mask = torch.zeros(valid.shape, device=dev).masked_fill_(~valid, float("-inf"))
+        buckets.append(
+            DecodeBucket(
+                rows=cu_seqlens_q.to(torch.long)[idx],
+                blocks=block_tables[idx, :nblk].to(torch.long),
+                mask=mask[:, None, None, :],
+            )
+        )
+    prefills = [
+        PrefillChunk(
+            cu[i], cu[i + 1], lens[i], block_tables[i, : -(-lens[i] // block_size)].to(torch.long)
+        )
+        for i in range(len(lens))
+        if cu[i + 1] - cu[i] > 1
+    ]
+    return TorchAttentionPlan(buckets, prefills, torch.tensor(decodes, dtype=torch.int32))
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -72,48 +141,33 @@ def paged_attention_torch(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    plan: TorchAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
 
-    Decodes (query_len 1) are batched into padded attention calls, since a step usually
-    holds many of them, bucketed by length so that short ones are not padded to the longest;
-    each prefill chunk gets its own call with its causal offset mask.
-    GQA is left to SDPA's ``enable_gqa`` so K/V are never repeated per query head.
+    Each decode bucket is one padded SDPA call; each prefill chunk gets its own call with
+    its causal offset mask. GQA is left to SDPA's ``enable_gqa`` so K/V are never repeated
+    per query head. A ``plan`` from ``plan_attention_torch`` skips re-planning; one built
+    without decode buckets attends to the prefills only.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    block_size = k_cache.shape[1]
     if out is None:
         out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    decodes = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
-    prefills = [i for i in range(len(lens)) if cu[i + 1] - cu[i] > 1]
-
-    for group in _length_buckets(decodes, lens):
-        idx = torch.tensor(group, dtype=torch.long, device=q.device)
-        nblk = -(-lens[group[-1]] // block_size)
-        blocks = block_tables[idx, :nblk].to(torch.long)
-        k = _gather(k_cache, blocks)  # [S, kvh, nblk*bs, d]
-        v = _gather(v_cache, blocks)
-        pos = torch.arange(nblk * block_size, device=q.device)
-        valid = pos[None, :] < seq_lens.to(torch.long)[idx][:, None]
-        # An additive float mask keeps SDPA off its slower boolean-mask checks.
-        mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
-        mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]  # [S, 1, 1, L]
-        rows = cu_seqlens_q.to(torch.long)[idx]
-        qd = q[rows].unsqueeze(2)  # [S, h, 1, d]
+    if plan is None:
+        plan = plan_attention_torch(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
+    for b in plan.decodes:
+        k = _gather(k_cache, b.blocks)  # [S, kvh, nblk*bs, d]
+        v = _gather(v_cache, b.blocks)
+        qd = q[b.rows].unsqueeze(2)  # [S, h, 1, d]
+        mask = b.mask.to(q.dtype)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[rows] = o.squeeze(2).to(out.dtype)
+        out[b.rows] = o.squeeze(2).to(out.dtype)
 
-    for i in prefills:
-        start, end = cu[i], cu[i + 1]
-        qlen, seq_len = end - start, lens[i]
+    for c in plan.prefills:
+        qlen, seq_len = c.end - c.start, c.seq_len
         ctx = seq_len - qlen
-        nblk = -(-seq_len // block_size)
-        blocks = block_tables[i, :nblk].to(torch.long)
-        k = _gather(k_cache, blocks)[:, :seq_len]  # [kvh, L, d]
-        v = _gather(v_cache, blocks)[:, :seq_len]
-        qp = q[start:end].transpose(0, 1)  # [h, qlen, d]
+        k = _gather(k_cache, c.blocks)[:, :seq_len]  # [kvh, L, d]
+        v = _gather(v_cache, c.blocks)[:, :seq_len]
+        qp = q[c.start : c.end].transpose(0, 1)  # [h, qlen, d]
         if ctx == 0:
             o = F.scaled_dot_product_attention(
                 qp, k, v, is_causal=True, scale=scale, enable_gqa=True
@@ -125,5 +179,5 @@ def paged_attention_torch(
             o = F.scaled_dot_product_attention(
                 qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )
-        out[start:end] = o.transpose(0, 1).to(out.dtype)
+        out[c.start : c.end] = o.transpose(0, 1).to(out.dtype)
     return out

@@ -75,7 +75,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     option(parser, "--num-kv-blocks", type=int, help="KV pool size in blocks")
     option(parser, "--kv-cache-memory", type=parse_size, help="KV pool size in bytes (2GiB)")
     option(parser, "--max-model-len", type=int, help="context limit")
-    option(parser, "--attention-backend", help="auto, torch or triton")
+    option(parser, "--attention-backend", help="auto, cpu (C kernels), torch or triton")
     option(parser, "--device", help="auto, cpu, cuda, cuda:1")
     option(parser, "--dtype", help="auto, float32, float16, bfloat16")
     option(parser, "--num-threads", type=int, help="torch CPU threads")

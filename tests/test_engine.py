@@ -10,6 +10,7 @@ import torch
 from engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
 from engine.hf_reference import build_hf_model, greedy_config
 from engine.loader import load_checkpoint
+from kernels import cpu_ops
 from tests.helpers import make_tiny_llama_dir
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12)
@@ -226,7 +227,21 @@ def test_triton_backend_gives_the_same_tokens_as_torch(tiny_dir: Path):
     on a mixed batch: chunked prefills beside decodes."""
     reqs = prompts(3, (5, 21, 2))
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)
-    torch_run = run(make_engine(tiny_dir, max_num_batched_tokens=16), reqs, params)
+    torch_run = run(
+        make_engine(tiny_dir, max_num_batched_tokens=16, attention_backend="torch"), reqs, params
+    )
     engine = make_engine(tiny_dir, max_num_batched_tokens=16, attention_backend="triton")
     assert engine.backend.name == "triton"
     assert run(engine, reqs, params) == torch_run
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+def test_cpu_kernels_give_the_same_tokens_as_torch(tiny_dir: Path):
+    """The C forward (fused norms, in-place rotary, C decode attention) against the plain
+    torch one, on mixed steps; and auto picks it on a float32 CPU engine."""
+    reqs = prompts(6, (5, 21, 2, 40, 9, 17))
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12)
+    torch_engine = make_engine(tiny_dir, max_num_batched_tokens=24, attention_backend="torch")
+    engine = make_engine(tiny_dir, max_num_batched_tokens=24)
+    assert (torch_engine.backend.name, engine.backend.name) == ("torch", "cpu")
+    assert run(engine, reqs, params) == run(torch_engine, reqs, params)

@@ -1,4 +1,4 @@
-"""Triton kernels against the torch reference, on fresh random inputs every run.
+"""Triton and C kernels against the torch reference, on fresh random inputs every run.
 
 Without CUDA the kernels run in Triton's interpreter, which must be switched on before the
 kernel modules are imported (``triton.jit`` reads it at decoration time). The interpreter
@@ -18,6 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kernels import cpu_ops  # noqa: E402
 from kernels.kv_write import write_kv_triton  # noqa: E402
 from kernels.paged_attention import (  # noqa: E402
     choose_num_splits,
@@ -31,6 +32,7 @@ GARBAGE_SCALE = 1e3  # cache slots no sequence owns: a stray read swamps the res
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the Triton interpreter has no bf16 matmul"
 )
+needs_cpu_ops = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
 
 
 @pytest.fixture
@@ -293,3 +295,92 @@ def test_write_kv(
     write_kv_torch(key, value, expected[0], expected[1], slots)
     write_kv_triton(key, value, layers[1, 0], layers[1, 1], slots)
     assert torch.equal(layers[1], expected)
+
+
+# -- the C kernels (CPU, float32) ---------------------------------------------------------
+
+
+def expected_attention(batch: Batch) -> torch.Tensor:
+    return paged_attention_torch(*batch.args())
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize(
+    "shape",
+    [*SHAPES, (2, 2, 40, 16), (1, 2, 36, 16), (3, 3, 64, 1)],
+    ids=lambda s: "kvh{}-g{}-d{}-bs{}".format(*s),
+)
+def test_cpu_attention_mixed_batch(gen: torch.Generator, shape: tuple[int, int, int, int]) -> None:
+    """Every sequence of a mixed batch. Head sizes 64 and 128 take the AVX2 path where the
+    CPU has it, 40 its generic form, 36 (not a multiple of 8) the portable C; block size 1
+    puts every key in its own block."""
+    num_kv_heads, group, head_dim, block_size = shape
+    batch = make_batch(
+        gen,
+        mixed(block_size) + [(1, 200)],
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
+    out = torch.full_like(batch.q, float("nan"))
+    cpu_ops.paged_attention_cpu(*batch.args(), out=out)
+    assert not out.isnan().any(), "rows left unwritten"
+    err = rel_err(out, expected_attention(batch))
+    assert err < 1e-5, f"relative error {err:.2e}"
+
+
+@needs_cpu_ops
+def test_cpu_attention_writes_only_listed_sequences(gen: torch.Generator) -> None:
+    seqs = [(1, 40), (12, 30), (1, 7), (1, 129)]
+    batch = make_batch(gen, seqs, num_kv_heads=2, group=3, head_dim=64, block_size=16)
+    out = torch.full_like(batch.q, float("nan"))
+    listed = torch.tensor([0, 3], dtype=torch.int32)
+    cpu_ops.paged_attention_cpu(*batch.args(), out=out, seqs=listed)
+    expected = expected_attention(batch)
+    rows = [0, 14]  # the query rows of sequences 0 and 3
+    assert rel_err(out[rows], expected[rows]) < 1e-5
+    others = [r for r in range(out.shape[0]) if r not in rows]
+    assert out[others].isnan().all()
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_cpu_add_rms_norm(gen: torch.Generator, with_delta: bool) -> None:
+    rows, dim, eps = 37, 576, 1e-5
+    x, delta, weight = randn(gen, rows, dim), randn(gen, rows, dim), randn(gen, dim)
+    summed = x + delta if with_delta else x.clone()
+    expected = torch.nn.functional.rms_norm(summed, (dim,), weight, eps)
+    out = torch.full_like(x, float("nan"))
+    cpu_ops.add_rms_norm_cpu(x, delta if with_delta else None, weight, eps, out)
+    assert torch.equal(x, summed)
+    assert rel_err(out, expected) < 1e-5
+
+
+@needs_cpu_ops
+def test_cpu_silu_mul(gen: torch.Generator) -> None:
+    gate_up = 4 * randn(gen, 33, 2 * 200)  # a wide range, to exercise the exponential
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = torch.full((33, 200), float("nan"))
+    cpu_ops.silu_mul_cpu(gate_up, out)
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_cpu_ops
+def test_cpu_rope_in_place(gen: torch.Generator) -> None:
+    """Query and key heads of a fused QKV row rotate; the value heads stay as they were."""
+    rows, heads, head_dim, max_pos = 21, 5, 64, 300
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    qkv = randn(gen, rows, (heads + 2) * head_dim)
+    positions = torch.randint(max_pos, (rows,), generator=gen)
+    x = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    half = head_dim // 2
+    expected = x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
+    values = qkv[:, heads * head_dim :].clone()
+    cpu_ops.rope_cpu(qkv, heads, head_dim, positions, cos, sin)
+    assert rel_err(qkv[:, : heads * head_dim].view(rows, heads, head_dim), expected) < 1e-6
+    assert torch.equal(qkv[:, heads * head_dim :], values)

@@ -1,0 +1,230 @@
+"""The C kernels of ``cpu_ops.c``: built once with the system C compiler, called by ctypes.
+
+The library is compiled for the host CPU (``-march=native``) into the tokenq cache, under a
+name that hashes the source, the flags and the CPU, so a cache shared between different
+machines never serves a build for the wrong one. No compiler, or a failed build, leaves
+``load()`` returning None and the engine on its torch path; nothing else depends on it.
+
+ctypes drops the GIL for the call, and the kernels' OpenMP loops run on the libgomp that
+torch already loaded, so they share torch's threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_ops.c")
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-trapping-math",  # lets the compiler vectorize the branch-free clamps
+    "-mprefer-vector-width=256",  # gcc tunes some AMD CPUs to 128-bit vectors: measured slower
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c11",
+]
+MAX_GROUP = 16
+MAX_HEAD_DIM = 256
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "paged_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64]
+    + [_i64] * 4
+    + [_f32],
+    "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
+    "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
+    "rope_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+}
+
+
+def _cpu_id() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build_dir() -> Path:
+    from engine.models import cache_dir
+
+    return cache_dir() / "build"
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use; None where it cannot be built."""
+    if os.environ.get("TOKENQ_DISABLE_CPU_OPS"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: CPU kernels disabled, using torch ops")
+        return None
+    key = hashlib.sha256(
+        b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), _cpu_id().encode()])
+    ).hexdigest()[:16]
+    target = _build_dir() / f"cpu_ops-{key}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                log.warning("building CPU kernels failed, using torch ops:\n%s", result.stderr)
+                return None
+            os.replace(out, target)  # atomic: concurrent builders race harmlessly
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _f32(t: torch.Tensor, name: str) -> int:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    return t.data_ptr()
+
+
+def _contiguous(t: torch.Tensor, name: str) -> int:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return _f32(t, name)
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not built (no C compiler, or the build failed)")
+    return lib
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    seqs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``paged_attention_torch``'s result for the sequences in ``seqs`` (int32; all when
+    None), written into ``out``; other rows of ``out`` are left as they were.
+
+    ``q`` may be a row-strided view (the query heads of a fused QKV row) as long as each
+    row's heads are contiguous.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        raise ValueError("q must have contiguous heads within each row")
+    if num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"at most {MAX_GROUP} query heads per KV head, head_dim <= 256")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int32")
+    if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+        raise ValueError("block_tables must be contiguous int32")
+    if seqs is None:
+        seqs = torch.arange(seq_lens.shape[0], dtype=torch.int32)
+    _lib().paged_attention_f32(
+        _f32(q, "q"),
+        q.stride(0),
+        _contiguous(out, "out"),
+        _contiguous(k_cache, "k_cache"),
+        _contiguous(v_cache, "v_cache"),
+        cu_seqlens_q.data_ptr(),
+        seq_lens.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        seqs.data_ptr(),
+        seqs.shape[0],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+    )
+    return out
+
+
+def add_rms_norm_cpu(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``out = rms_norm(x + delta) * weight``, with ``x`` updated in place to ``x + delta``."""
+    rows, dim = x.shape
+    _lib().add_rms_norm_f32(
+        _contiguous(x, "x"),
+        None if delta is None else _contiguous(delta, "delta"),
+        _contiguous(weight, "weight"),
+        _contiguous(out, "out"),
+        rows,
+        dim,
+        eps,
+    )
+    return out
+
+
+def silu_mul_cpu(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = silu(gate) * up`` for rows ``[gate | up]`` of ``gate_up``."""
+    rows, dim = out.shape
+    if gate_up.shape != (rows, 2 * dim):
+        raise ValueError(f"gate_up must be [{rows}, {2 * dim}], got {list(gate_up.shape)}")
+    _lib().silu_mul_f32(_contiguous(gate_up, "gate_up"), _contiguous(out, "out"), rows, dim)
+    return out
+
+
+def rope_cpu(
+    x: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate the first ``num_heads`` heads of each row of ``x`` in place (rotate-half).
+
+    Positions must lie inside the tables: the engine bounds them by ``max_model_len``.
+    """
+    if x.stride(1) != 1 or x.shape[1] < num_heads * head_dim:
+        raise ValueError("x must be [rows, >= num_heads * head_dim] with contiguous rows")
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        raise ValueError("positions must be contiguous int64")
+    _lib().rope_f32(
+        _f32(x, "x"),
+        x.stride(0),
+        positions.data_ptr(),
+        _contiguous(cos, "cos"),
+        _contiguous(sin, "sin"),
+        x.shape[0],
+        num_heads,
+        head_dim,
+    )
+    return x
