@@ -24,7 +24,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens], every slot valid
     max_query_len: int
     max_seq_len: int
-    plan: TorchAttentionPlan | None = None  # set by AttentionBackend.prepare
+    plan: TorchAttentionPlan | None = None  # set by AttentionBackend.prepare (torch)
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -54,14 +54,10 @@ class AttentionBackend:
             self._triton = (write_kv_triton, paged_attention_triton)
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Plan the batch's attention once for all layers (the CPU backends)."""
-        if self.name != "triton":
+        """Plan the batch's attention once for all layers (the torch backend)."""
+        if self.name == "torch":
             meta.plan = plan_attention_torch(
-                meta.cu_seqlens_q,
-                meta.seq_lens,
-                meta.block_tables,
-                block_size,
-                bucket_decodes=self.name == "torch",
+                meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, block_size
             )
 
     def write_kv(
@@ -94,14 +90,6 @@ class AttentionBackend:
             return self._triton[1](
                 *args, out=out, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len
             )
-        if meta.plan is None:
-            self.prepare(meta, k_cache.shape[1])
         if self.name == "cpu":
-            # Decodes in C straight from the cache; prefill chunks through SDPA, whose
-            # matrix products beat a per-token loop once a chunk has many queries.
-            if meta.plan.decode_seqs.numel():
-                cpu_ops.paged_attention_cpu(*args, out=out, seqs=meta.plan.decode_seqs)
-            if meta.plan.prefills:
-                paged_attention_torch(*args, out=out, plan=meta.plan)
-            return out
+            return cpu_ops.paged_attention_cpu(*args, out=out)
         return paged_attention_torch(*args, out=out, plan=meta.plan)

@@ -158,38 +158,29 @@ static inline void attend(const float *qg, float *acc, float *m, float *l,
 
 /* Causal attention of new query tokens over a paged K/V cache.
  *
- * Same semantics as kernels.reference.paged_attention_torch, for the sequences listed in
- * `seqs` only (the engine lists its decodes). Work items are (query token, KV head); each
- * walks the token's visible keys CHUNK at a time (whatever the block size) with an online
- * softmax, for all query heads of its KV head, so each K/V row comes from memory once.
+ * Same semantics as kernels.reference.paged_attention_torch, for decodes and prefill chunks
+ * alike. Work items are (query token, KV head); each walks the token's visible keys CHUNK at
+ * a time (whatever the block size) with an online softmax, for all query heads of its KV
+ * head, so each K/V row comes from memory once per token. Measured here about twice as fast
+ * as SDPA on prefill chunks too, gathers included, so one kernel serves the whole batch.
  */
 void paged_attention_f32(
     const float *q, int64_t q_stride, float *out, const float *k_cache,
     const float *v_cache, const int32_t *cu_seqlens_q, const int32_t *seq_lens,
-    const int32_t *block_tables, int64_t max_blocks, const int32_t *seqs, int64_t num_listed,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale)
+    const int32_t *block_tables, int64_t max_blocks, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale)
 {
-    int64_t num_items = 0;
-    for (int64_t i = 0; i < num_listed; i++)
-        num_items += cu_seqlens_q[seqs[i] + 1] - cu_seqlens_q[seqs[i]];
+    const int64_t num_items = cu_seqlens_q[num_seqs];
     int32_t *item_seq = malloc(sizeof(int32_t) * (num_items ? num_items : 1));
-    int32_t *item_tok = malloc(sizeof(int32_t) * (num_items ? num_items : 1));
-    int64_t n = 0;
-    for (int64_t i = 0; i < num_listed; i++) {
-        const int32_t s = seqs[i];
-        for (int32_t t = cu_seqlens_q[s]; t < cu_seqlens_q[s + 1]; t++) {
-            item_seq[n] = s;
-            item_tok[n] = t;
-            n++;
-        }
-    }
+    for (int32_t s = 0; s < num_seqs; s++)
+        for (int32_t t = cu_seqlens_q[s]; t < cu_seqlens_q[s + 1]; t++)
+            item_seq[t] = s;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* floats per cached token */
 
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t w = 0; w < num_items * num_kv_heads; w++) {
         const int32_t s = item_seq[w / num_kv_heads];
-        const int32_t tok = item_tok[w / num_kv_heads];
+        const int64_t tok = w / num_kv_heads;
         const int64_t kh = w % num_kv_heads;
         const int32_t qlen = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
         const int64_t visible = seq_lens[s] - qlen + (tok - cu_seqlens_q[s]) + 1;
@@ -232,7 +223,6 @@ void paged_attention_f32(
         }
     }
     free(item_seq);
-    free(item_tok);
 }
 
 /* y = rms_norm(x) * weight, after x += delta when delta is given (the residual add of the

@@ -42,9 +42,7 @@ MAX_HEAD_DIM = 256
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "paged_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64]
-    + [_i64] * 4
-    + [_f32],
+    "paged_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr] + [_i64] * 6 + [_f32],
     "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
     "rope_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
@@ -129,10 +127,8 @@ def paged_attention_cpu(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor,
-    seqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``paged_attention_torch``'s result for the sequences in ``seqs`` (int32; all when
-    None), written into ``out``; other rows of ``out`` are left as they were.
+    """``paged_attention_torch``'s result, written into ``out``.
 
     ``q`` may be a row-strided view (the query heads of a fused QKV row) as long as each
     row's heads are contiguous.
@@ -148,8 +144,6 @@ def paged_attention_cpu(
             raise ValueError(f"{name} must be contiguous int32")
     if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
         raise ValueError("block_tables must be contiguous int32")
-    if seqs is None:
-        seqs = torch.arange(seq_lens.shape[0], dtype=torch.int32)
     _lib().paged_attention_f32(
         _f32(q, "q"),
         q.stride(0),
@@ -160,8 +154,7 @@ def paged_attention_cpu(
         seq_lens.data_ptr(),
         block_tables.data_ptr(),
         block_tables.shape[1],
-        seqs.data_ptr(),
-        seqs.shape[0],
+        seq_lens.shape[0],
         num_heads,
         num_kv_heads,
         head_dim,

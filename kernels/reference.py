@@ -89,7 +89,6 @@ class TorchAttentionPlan:
 
     decodes: list[DecodeBucket]
     prefills: list[PrefillChunk]
-    decode_seqs: torch.Tensor  # int32 indices of the decoding sequences
 
 
 def plan_attention_torch(
@@ -97,9 +96,8 @@ def plan_attention_torch(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     block_size: int,
-    bucket_decodes: bool = True,
 ) -> TorchAttentionPlan:
-    """Split a batch into decode buckets (when ``bucket_decodes``) and prefill chunks.
+    """Split a batch into decode buckets and prefill chunks.
 
     Decodes are batched into padded attention calls, since a step usually holds many of
     them, bucketed by length so that short ones are not padded to the longest.
@@ -109,7 +107,7 @@ def plan_attention_torch(
     lens = seq_lens.tolist()
     decodes = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
     buckets = []
-    for group in _length_buckets(decodes, lens) if bucket_decodes else []:
+    for group in _length_buckets(decodes, lens):
         nblk = -(-lens[group[-1]] // block_size)
         idx = torch.tensor(group, dtype=torch.long, device=dev)
         valid = torch.arange(nblk * block_size, device=dev)[None, :] < seq_lens[idx][:, None]
@@ -129,7 +127,7 @@ def plan_attention_torch(
         for i in range(len(lens))
         if cu[i + 1] - cu[i] > 1
     ]
-    return TorchAttentionPlan(buckets, prefills, torch.tensor(decodes, dtype=torch.int32))
+    return TorchAttentionPlan(buckets, prefills)
 
 
 def paged_attention_torch(
@@ -147,8 +145,7 @@ def paged_attention_torch(
 
     Each decode bucket is one padded SDPA call; each prefill chunk gets its own call with
     its causal offset mask. GQA is left to SDPA's ``enable_gqa`` so K/V are never repeated
-    per query head. A ``plan`` from ``plan_attention_torch`` skips re-planning; one built
-    without decode buckets attends to the prefills only.
+    per query head. A ``plan`` from ``plan_attention_torch`` skips re-planning.
     """
     if out is None:
         out = torch.empty_like(q)
