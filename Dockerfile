@@ -6,6 +6,10 @@ ENV PYTHONUNBUFFERED=1 \
     TOKENQ_CACHE_DIR=/models
 
 WORKDIR /app
+# A C compiler for kernels/cpu_ops.c, built for the host CPU on first use (without one the
+# engine runs its slower plain-torch path).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY engine engine
