@@ -370,3 +370,25 @@ def test_cpu_rope_in_place(gen: torch.Generator) -> None:
     cpu_ops.rope_cpu(qkv, heads, head_dim, positions, cos, sin)
     assert rel_err(qkv[:, : heads * head_dim].view(rows, heads, head_dim), expected) < 1e-6
     assert torch.equal(qkv[:, heads * head_dim :], values)
+
+
+def test_cpu_ops_build_failure_leaves_the_torch_path(monkeypatch, tmp_path, caplog) -> None:
+    """A compiler that fails gives None (and a warning), never an exception; ``auto`` then
+    picks plain torch on the CPU."""
+    from engine.attention import resolve_backend
+
+    monkeypatch.setenv("TOKENQ_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    cpu_ops.load.cache_clear()
+    try:
+        assert cpu_ops.load() is None
+        assert "building CPU kernels failed" in caplog.text
+        cpu = torch.device("cpu")
+        assert resolve_backend("auto", cpu, torch.float32) == "torch"
+    finally:
+        cpu_ops.load.cache_clear()
+    monkeypatch.undo()
+    if cpu_ops.available():
+        assert resolve_backend("auto", cpu, torch.float32) == "cpu"
+        assert resolve_backend("auto", cpu, torch.bfloat16) == "torch"
+    assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16) == "triton"
