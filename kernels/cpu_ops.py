@@ -138,7 +138,7 @@ def paged_attention_cpu(
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         raise ValueError("q must have contiguous heads within each row")
     if num_heads // num_kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"at most {MAX_GROUP} query heads per KV head, head_dim <= 256")
+        raise ValueError(f"at most {MAX_GROUP} query heads per KV head, head_dim <= {MAX_HEAD_DIM}")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int32")
