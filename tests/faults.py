@@ -1,0 +1,286 @@
+"""Fault injection for the durability tests (this module holds no tests).
+
+- `RedisServer`: a private `redis-server` on a free port, with AOF, that a test may restart,
+  kill or freeze (SIGSTOP) without touching any other server.
+- `TcpProxy`: sits between a client and Redis and can cut the connection right after Redis
+  answered a chosen command (the command was applied, the client never hears so), or hold
+  every reply for a while (a stall past the client's socket timeout).
+- `WorkerProcess`: `tokenq worker` as a subprocess, for faults that kill or stop a process.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """A throwaway redis-server with `appendfsync always`, so a restart or a kill -9 loses
+    no acknowledged write (what a production AOF setup promises within a second)."""
+
+    def __init__(self, workdir: Path, aof: bool = True) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed")
+        self.binary = binary
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.aof = aof
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        cmd = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.workdir),
+            "--save", "",
+            "--appendonly", "yes" if self.aof else "no",
+            "--appendfsync", "always",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not self.answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {self.port} did not start")
+            time.sleep(0.02)
+
+    def answers(self) -> bool:
+        try:
+            conn = redis.Redis(port=self.port, socket_connect_timeout=0.3, socket_timeout=0.3)
+            try:
+                return bool(conn.ping())
+            finally:
+                conn.close()
+        except redis.RedisError:
+            return False
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the server (SIGTERM: a clean shutdown; `kill`: SIGKILL)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        self.proc.wait(timeout=20)
+        self.proc = None
+
+    def restart(self, down_for: float = 1.0, kill: bool = False) -> None:
+        self.stop(kill=kill)
+        time.sleep(down_for)
+        self.start()
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        return redis.Redis(port=self.port, **kwargs)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.thaw()
+            self.stop(kill=True)
+
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _resp_command(name: bytes) -> bytes:
+    """How a command name travels inside a RESP request: a bulk string."""
+    return b"$%d\r\n%s\r\n" % (len(name), name)
+
+
+class TcpProxy:
+    """A TCP proxy in front of a Redis server, with two faults to inject:
+
+    - `cut_reply(command, times)`: the next `times` requests that contain `command` (e.g.
+      b"EXEC", b"EVALSHA") reach Redis and run, and the connection is closed before the
+      client reads the answer;
+    - `stall(seconds)`: replies are held for `seconds` before they go on.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(128)
+        self.port = self.listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._cut: dict[bytes, int] = {}
+        self._stall_until = 0.0
+        self.cuts_done = 0
+        self._closed = False
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def cut_reply(self, command: bytes, times: int = 1) -> None:
+        with self._lock:
+            self._cut[_resp_command(command.upper())] = times
+
+    def stall(self, seconds: float) -> None:
+        with self._lock:
+            self._stall_until = time.monotonic() + seconds
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._conns += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+
+    def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
+        armed = False  # a request to cut went up: drop the connection on its answer
+        try:
+            while True:
+                ready, _, _ = select.select([client, upstream], [], [], 0.5)
+                if self._closed:
+                    return
+                for sock in ready:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        return
+                    if sock is client:
+                        armed = armed or self._arm(data)
+                        upstream.sendall(data)
+                        continue
+                    if armed:
+                        # Redis has answered, so it ran the request (it reads a pipelined
+                        # request whole before answering any of it); give it a moment to
+                        # finish the rest of that read, then vanish.
+                        time.sleep(0.05)
+                        with self._lock:
+                            self.cuts_done += 1
+                        return
+                    wait = self._stall_until - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                    client.sendall(data)
+        except OSError:
+            return
+        finally:
+            for sock in (client, upstream):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    def _arm(self, data: bytes) -> bool:
+        upper = data.upper()
+        with self._lock:
+            for marker, left in self._cut.items():
+                if left > 0 and marker in upper:
+                    self._cut[marker] = left - 1
+                    return True
+        return False
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for sock in conns:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> TcpProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WorkerProcess:
+    """`tokenq worker` in a subprocess; its log goes to a file (a pipe nobody reads could
+    fill up and block the worker)."""
+
+    def __init__(
+        self,
+        model: Path,
+        url: str,
+        namespace: str,
+        log: Path,
+        *,
+        consumer: str = "proc",
+        extra: list[str] | None = None,
+    ) -> None:
+        cmd = [
+            sys.executable, "-m", "producer.cli", "worker",
+            "--model", str(model), "--device", "cpu", "--dtype", "float32",
+            "--num-kv-blocks", "512", "--max-num-seqs", "8", "--num-threads", "1",
+            "--redis-url", url, "--namespace", namespace, "--consumer", consumer,
+            "--metrics-interval", "0.5", *(extra or []),
+        ]  # fmt: skip
+        self.log = log
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_clean_exit(self, timeout: float) -> None:
+        assert self.proc.wait(timeout=timeout) == 0, self.log.read_text()[-3000:]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def __enter__(self) -> WorkerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(timeout=30)
