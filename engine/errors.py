@@ -14,3 +14,8 @@ class InvalidRequest(ValueError):
 
 class InvalidTransition(RuntimeError):
     """A request state change that the lifecycle does not allow (a bug, never input)."""
+
+
+class StepFailed(RuntimeError):
+    """An engine step failed for every request in it, each tried alone: the device or the
+    engine is broken, not one request. The caller should hand its work back."""

@@ -106,13 +106,7 @@ class LLMEngine:
             raise InvalidRequest("invalid_params", "params must be SamplingParams or a mapping")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequest("invalid_priority", "priority must be an integer")
-        token_ids = self._prompt_tokens(prompt, prompt_token_ids, messages)
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                "prompt_too_long",
-                f"prompt has {len(token_ids)} tokens; this worker's limit is "
-                f"{self.max_model_len - 1} (context {self.max_model_len})",
-            )
+        token_ids = self.encode_prompt(prompt, prompt_token_ids=prompt_token_ids, messages=messages)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -130,6 +124,24 @@ class LLMEngine:
             min(want, self.max_model_len) - self._recent_request_tokens
         )
         self.counters["requests_added"] += 1
+
+    def encode_prompt(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt's token ids, validated, without touching engine state: callers may
+        run it on another thread so that tokenizing a long prompt stalls nothing."""
+        ids = self._prompt_tokens(prompt, prompt_token_ids, messages)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(
+                "prompt_too_long",
+                f"prompt has {len(ids)} tokens; this worker's limit is "
+                f"{self.max_model_len - 1} (context {self.max_model_len})",
+            )
+        return ids
 
     def _prompt_tokens(
         self,

@@ -26,6 +26,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     text: str | None = None  # the full text, set when finished
     token_ids: list[int] | None = None  # all generated ids, set when finished
+    error: str | None = None  # why, when finish_reason is "error"
 
 
 @dataclass

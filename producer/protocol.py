@@ -7,6 +7,8 @@ sides validate a job by the same rules. It imports nothing heavier than msgpack.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -43,11 +45,53 @@ PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 PAYLOAD_FIELDS = frozenset(
     {*PROMPT_FIELDS, "params", "priority", "deadline", "model", "metadata", "submitted_at"}
 )
-# Job ids become parts of Redis keys and log lines: keep them printable and bounded.
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}$")
+# Job ids become parts of Redis keys and log lines: keep them printable and bounded. Always
+# `fullmatch`: with `match`, `$` would let a trailing newline through.
+JOB_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}")
+ECHO_CHARS = 100  # how much of a bad value an error message may quote
+MAX_PRIORITY = 2**31 - 1
 
 TOKEN, DONE, ERROR, RESTART = "token", "done", "error", "restart"
+# Job key values: the job's state as a client sees it (docs/protocol.md, "Keys").
+QUEUED, RUNNING = "queued", "running"
 TERMINAL_EVENTS = frozenset({DONE, ERROR})
+
+
+def clip(value: Any, limit: int = ECHO_CHARS) -> str:
+    """``repr(value)`` cut to about ``limit`` characters: error messages, dead letters and
+    log lines quote what was wrong without copying a hostile megabyte into each of them."""
+    if isinstance(value, str | bytes | bytearray) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} long)"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size bounds of one job, checked by the client before anything reaches Redis and by
+    the worker before anything reaches the engine (so a producer that skips the client
+    meets the same bounds). A bound is what keeps one hostile job from stalling a worker:
+    each of these, unbounded, was measured to freeze a worker for seconds.
+
+    The defaults admit any realistic request for a model with a 128k-token context."""
+
+    max_payload_bytes: int = 4 << 20  # the msgpack ``data`` field
+    max_prompt_chars: int = 1_000_000  # prompt, or all message contents together
+    max_messages: int = 1024
+    max_prompt_token_ids: int = 262_144
+    max_stop: int = 32  # stop strings
+    max_stop_chars: int = 1024  # each stop string
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024  # entries
+    max_metadata_bytes: int = 64 << 10  # metadata, packed
+
+    def __post_init__(self) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"limit {name} must be a positive integer, got {value!r}")
+
+
+DEFAULT_LIMITS = Limits()
 
 
 class ProtocolError(ValueError):
@@ -74,6 +118,12 @@ class Keys:
     @property
     def dead(self) -> str:
         return f"{self.namespace}:dead"
+
+    @property
+    def void(self) -> str:
+        """A key that is never written: what a script gets in place of a job's keys when
+        an entry has no readable job id."""
+        return f"{self.namespace}:void"
 
     def job(self, job_id: str) -> str:
         return f"{self.namespace}:job:{job_id}"
@@ -125,53 +175,117 @@ class JobRequest:
     metadata: Any = None
     submitted_at: float | None = None
 
-    def validate(self) -> None:
-        """Structural checks both sides can make without the model; raises ProtocolError."""
+    def validate(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        """Structural checks both sides can make without the model; raises ProtocolError.
+
+        Sizes are checked before contents, so that a hostile entry costs a few length
+        checks, never a walk over a megabyte of it."""
         jid = self.job_id
 
         def bad(message: str, code: str = "invalid_request") -> ProtocolError:
             return ProtocolError(code, message, jid)
 
-        if jid is not None and (not isinstance(jid, str) or not JOB_ID_RE.match(jid)):
-            raise bad(f"job id {jid!r} must match {JOB_ID_RE.pattern}")
+        if jid is not None and (not isinstance(jid, str) or not JOB_ID_RE.fullmatch(jid)):
+            raise bad(f"job id {clip(jid)} must match {JOB_ID_RE.pattern}")
         given = [name for name in PROMPT_FIELDS if getattr(self, name) is not None]
         if len(given) != 1:
             found = ", ".join(given) or "none"
             raise bad(f"exactly one of prompt, messages, prompt_token_ids is required ({found})")
-        if self.prompt is not None and not isinstance(self.prompt, str):
-            raise bad("prompt must be a string")
+        if self.prompt is not None:
+            if not isinstance(self.prompt, str):
+                raise bad("prompt must be a string")
+            if len(self.prompt) > limits.max_prompt_chars:
+                raise bad(
+                    f"prompt has {len(self.prompt)} characters (limit {limits.max_prompt_chars})",
+                    "payload_too_large",
+                )
         if self.messages is not None:
-            if not isinstance(self.messages, list) or not self.messages:
-                raise bad("messages must be a non-empty list")
-            for i, msg in enumerate(self.messages):
-                if (
-                    not isinstance(msg, dict)
-                    or not isinstance(msg.get("role"), str)
-                    or not isinstance(msg.get("content"), str)
-                ):
-                    raise bad(f"messages[{i}] must be a map with string role and content")
+            self._validate_messages(limits, bad)
         if self.prompt_token_ids is not None:
             ids = self.prompt_token_ids
-            if (
-                not isinstance(ids, list)
-                or not ids
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-            ):
+            if not isinstance(ids, list) or not ids:
                 raise bad("prompt_token_ids must be a non-empty list of non-negative integers")
-        if not isinstance(self.params, dict):
-            raise bad("params must be a map", "invalid_params")
-        unknown = sorted(str(k) for k in self.params if k not in SAMPLING_PARAMS)
-        if unknown:
-            raise bad(f"unknown parameter(s): {', '.join(unknown)}", "invalid_params")
+            if len(ids) > limits.max_prompt_token_ids:
+                raise bad(
+                    f"prompt_token_ids has {len(ids)} ids (limit {limits.max_prompt_token_ids})",
+                    "payload_too_large",
+                )
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise bad("prompt_token_ids must be a non-empty list of non-negative integers")
+        self._validate_params(limits, bad)
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise bad("priority must be an integer")
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise bad(f"priority must be within +-{MAX_PRIORITY}")
         for name in ("deadline", "submitted_at"):
             value = getattr(self, name)
             number = isinstance(value, int | float) and not isinstance(value, bool)
-            if value is not None and not number:
-                raise bad(f"{name} must be a number (unix seconds)")
+            if value is not None and not (number and math.isfinite(value)):
+                raise bad(f"{name} must be a finite number (unix seconds)")
         if self.model is not None and not isinstance(self.model, str):
             raise bad("model must be a string")
+        if self.model is not None and len(self.model) > 256:
+            raise bad("model name is longer than 256 characters")
+        if self.metadata is not None:
+            try:
+                size = len(pack(self.metadata))
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise bad(f"metadata cannot be packed: {clip(str(exc))}") from None
+            if size > limits.max_metadata_bytes:
+                raise bad(
+                    f"metadata is {size} bytes packed (limit {limits.max_metadata_bytes})",
+                    "payload_too_large",
+                )
+
+    def _validate_messages(self, limits: Limits, bad: Any) -> None:
+        messages = self.messages
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages must be a non-empty list")
+        if len(messages) > limits.max_messages:
+            raise bad(
+                f"{len(messages)} messages (limit {limits.max_messages})", "payload_too_large"
+            )
+        chars = 0
+        for i, msg in enumerate(messages):
+            if (
+                not isinstance(msg, dict)
+                or not isinstance(msg.get("role"), str)
+                or not isinstance(msg.get("content"), str)
+            ):
+                raise bad(f"messages[{i}] must be a map with string role and content")
+            chars += len(msg["content"]) + len(msg["role"])
+        if chars > limits.max_prompt_chars:
+            raise bad(
+                f"messages hold {chars} characters (limit {limits.max_prompt_chars})",
+                "payload_too_large",
+            )
+
+    def _validate_params(self, limits: Limits, bad: Any) -> None:
+        """Names and sizes only: value ranges need the model and are the engine's to check."""
+        params = self.params
+        if not isinstance(params, dict):
+            raise bad("params must be a map", "invalid_params")
+        unknown = [k for k in params if k not in SAMPLING_PARAMS]
+        if unknown:
+            names = ", ".join(clip(str(k), 40) for k in unknown[:5])
+            raise bad(f"unknown parameter(s): {names}", "invalid_params")
+        stop = params.get("stop")
+        if isinstance(stop, list):
+            if len(stop) > limits.max_stop:
+                raise bad(f"stop: {len(stop)} strings (limit {limits.max_stop})", "invalid_params")
+        else:
+            stop = [stop]
+        if any(isinstance(s, str) and len(s) > limits.max_stop_chars for s in stop):
+            raise bad(
+                f"stop: a string longer than {limits.max_stop_chars} characters", "invalid_params"
+            )
+        for name, bound in (
+            ("stop_token_ids", limits.max_stop_token_ids),
+            ("logit_bias", limits.max_logit_bias),
+        ):
+            value = params.get(name)
+            if isinstance(value, list | dict) and len(value) > bound:
+                raise bad(f"{name}: {len(value)} entries (limit {bound})", "invalid_params")
 
     def payload(self) -> dict[str, Any]:
         """The msgpack map, without absent optional fields."""
@@ -195,17 +309,17 @@ class JobRequest:
         return {"v": str(PROTOCOL_VERSION), "id": self.job_id, "data": pack(self.payload())}
 
 
-def decode_job(fields: dict[bytes, bytes]) -> JobRequest:
+def decode_job(fields: dict[bytes, bytes], limits: Limits = DEFAULT_LIMITS) -> JobRequest:
     """Parse and validate a job stream entry; raises ProtocolError with the job id if the
-    id itself could be read."""
+    id itself could be read. The payload's size is checked before it is unpacked."""
     job_id = _text(fields.get(b"id"))
-    if job_id is not None and not JOB_ID_RE.match(job_id):
-        raise ProtocolError("invalid_request", f"job id {job_id!r} is not valid", None)
+    if job_id is not None and not JOB_ID_RE.fullmatch(job_id):
+        raise ProtocolError("invalid_request", f"job id {clip(job_id)} is not valid", None)
     version = _text(fields.get(b"v"))
     if version != str(PROTOCOL_VERSION):
         raise ProtocolError(
             "unsupported_version",
-            f"protocol version {version!r} is not supported (this worker speaks "
+            f"protocol version {clip(version, 20)} is not supported (this worker speaks "
             f"{PROTOCOL_VERSION})",
             job_id,
         )
@@ -214,15 +328,23 @@ def decode_job(fields: dict[bytes, bytes]) -> JobRequest:
     raw = fields.get(b"data")
     if raw is None:
         raise ProtocolError("invalid_payload", "the entry has no data field", job_id)
+    if len(raw) > limits.max_payload_bytes:
+        raise ProtocolError(
+            "payload_too_large",
+            f"data is {len(raw)} bytes (limit {limits.max_payload_bytes})",
+            job_id,
+        )
     try:
         data = unpack(raw)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError("invalid_payload", f"data is not msgpack: {exc}", job_id) from None
+        message = f"data is not msgpack: {clip(str(exc))}"
+        raise ProtocolError("invalid_payload", message, job_id) from None
     if not isinstance(data, dict):
         raise ProtocolError("invalid_payload", "data must be a msgpack map", job_id)
-    unknown = sorted(str(k) for k in data if k not in PAYLOAD_FIELDS)
+    unknown = [k for k in data if k not in PAYLOAD_FIELDS]
     if unknown:
-        raise ProtocolError("invalid_request", f"unknown field(s): {', '.join(unknown)}", job_id)
+        names = ", ".join(clip(str(k), 40) for k in unknown[:5])
+        raise ProtocolError("invalid_request", f"unknown field(s): {names}", job_id)
     job = JobRequest(
         prompt=data.get("prompt"),
         messages=data.get("messages"),
@@ -235,7 +357,7 @@ def decode_job(fields: dict[bytes, bytes]) -> JobRequest:
         metadata=data.get("metadata"),
         submitted_at=data.get("submitted_at"),
     )
-    job.validate()
+    job.validate(limits)
     return job
 
 
@@ -336,6 +458,18 @@ def encode_event(event: Event) -> dict[str, bytes | str]:
     else:
         data = {"reason": event.reason}
     return {"type": event.type, "data": pack(data)}
+
+
+def reply_entry_id(seq: int) -> str:
+    """Reply events carry their position in the stream id (``0-1``, ``0-2``, ...): a worker
+    that re-sends a batch whose first send landed (the reply was lost on the way back) is
+    recognised by these ids and writes nothing twice."""
+    return f"0-{seq}"
+
+
+def reply_seq(event_id: bytes | str) -> int:
+    eid = event_id.decode() if isinstance(event_id, bytes) else event_id
+    return int(eid.rpartition("-")[2])
 
 
 def decode_event(event_id: bytes | str, fields: dict[bytes, bytes]) -> Event:

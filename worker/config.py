@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from producer.protocol import DEFAULT_NAMESPACE, GROUP
+from producer.protocol import DEFAULT_LIMITS, DEFAULT_NAMESPACE, GROUP, Limits
 
 
 def default_consumer() -> str:
@@ -26,16 +26,30 @@ class WorkerConfig:
     block_ms: int = 100  # idle XREADGROUP BLOCK: bounds the reaction time to a stop
     # A job pending this long without a heartbeat belongs to a dead worker.
     claim_idle_ms: int = 60_000
-    claim_interval_s: float = 5.0
+    claim_interval_s: float = 5.0  # at most; a quarter of claim_idle_ms when that is less
     # Must stay well below claim_idle_ms, or live workers lose long jobs to each other.
     heartbeat_interval_s: float = 10.0
     max_deliveries: int = 3
     reply_ttl_s: int = 3600  # after done/error
     running_reply_ttl_s: int = 24 * 3600  # while running: bounds what a lost job leaves
-    dead_letter_maxlen: int = 100_000
+    dead_letter_maxlen: int = 10_000  # entries (approximate, MAXLEN ~)
+    # A dead letter keeps the original entry whole up to this size, else a prefix of it:
+    # the dead-letter stream stays under about maxlen x this many bytes.
+    dead_letter_fields_bytes: int = 32 << 10
+    limits: Limits = DEFAULT_LIMITS  # size bounds of a job (producer.protocol.Limits)
+    # Events a worker holds while Redis is slow or away: past half of it no new job is
+    # taken, past all of it the engine pauses until Redis answers again.
+    max_outbox_events: int = 65_536
+    max_backoff_s: float = 2.0  # between retries while Redis does not answer
     metrics_interval_s: float = 10.0
     grace_period_s: float = 30.0
     max_step_failures: int = 3  # consecutive failed engine steps before the worker exits
+
+    @property
+    def claim_interval(self) -> float:
+        """How often to look for orphaned entries: a dead worker's job waits at most about
+        claim_idle_ms plus this before a live worker takes it."""
+        return min(self.claim_interval_s, self.claim_idle_ms / 4000)
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s * 1000 * 2 > self.claim_idle_ms:

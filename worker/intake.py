@@ -7,7 +7,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from producer.protocol import JobRequest, ProtocolError, decode_job
+from producer.protocol import (
+    DEFAULT_LIMITS,
+    JobRequest,
+    Limits,
+    ProtocolError,
+    clip,
+    decode_job,
+)
 
 
 @dataclass
@@ -27,12 +34,15 @@ def lost_payload() -> Rejection:
 
 
 def parse_entry(
-    fields: dict[bytes, bytes] | None, deliveries: int, max_deliveries: int
+    fields: dict[bytes, bytes] | None,
+    deliveries: int,
+    max_deliveries: int,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> JobRequest | Rejection:
     if not fields:
         return lost_payload()
     try:
-        job = decode_job(fields)
+        job = decode_job(fields, limits)
     except ProtocolError as exc:
         return Rejection(exc.code, exc.message, exc.job_id)
     if deliveries > max_deliveries:
@@ -51,7 +61,7 @@ def check_model(job: JobRequest, model_names: frozenset[str]) -> Rejection | Non
     served = ", ".join(sorted(model_names))
     return Rejection(
         "unknown_model",
-        f"model {job.model!r} is not served here ({served})",
+        f"model {clip(job.model)} is not served here ({served})",
         job.job_id,
         metadata=job.metadata,
     )
