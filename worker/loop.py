@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -586,7 +586,11 @@ class Worker:
         """Write every job's outbox and settle every finished entry in one script call,
         fenced by the owner keys; the answer also says which jobs were cancelled."""
         jobs = list(self.in_flight.values())
-        settling = self._settling
+        # An entry rejected while its job runs here (a broken duplicate) must not write
+        # into that job's reply: only its dead letter and acknowledgement go out.
+        settling = [
+            replace(it, events=[]) if it.job_id in self.in_flight else it for it in self._settling
+        ]
         items = [
             Item(
                 "run",
@@ -603,7 +607,7 @@ class Worker:
         results = self.scripts.publish(
             self.fence, items + settling, c.running_reply_ttl_s, c.reply_ttl_s, c.dead_letter_maxlen
         )
-        self._settling = []
+        del self._settling[: len(settling)]
         for inf, (outcome, cancelled) in zip(jobs, results, strict=False):
             jid = inf.job.job_id
             assert jid is not None

@@ -1,0 +1,350 @@
+"""Durability under ordinary faults: workers killed or frozen, Redis restarted, replies cut
+or stalled on the wire, hostile entries by the thousand.
+
+In every run the same things must hold: each good job ends with exactly one `done` whose
+tokens equal a clean run; its reply stream holds each token index once; nothing is left
+pending; only bad entries are dead-lettered, each with an error its client can read.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from producer.client import Client, Job, make_request
+from producer.protocol import GROUP, ErrorEvent, Keys, TokenEvent, decode_event, pack, unpack
+from tests.faults import RedisServer, TcpProxy, WorkerProcess
+from tests.test_worker_support import (
+    WorkerThread,
+    check_reply,
+    fast_config,
+    make_engine,
+    reference_run,
+    single_torch_thread,  # noqa: F401
+    tiny_model,  # noqa: F401
+    wait_for,
+)
+from worker.loop import Worker
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@dataclass
+class Run:
+    """Good jobs submitted for a fault run, and what a clean run of them produces."""
+
+    client: Client
+    jobs: list[Job]
+    requests: list[dict[str, Any]]
+
+    @classmethod
+    def submit(cls, client: Client, n: int, max_tokens: int, tag: str = "story") -> Run:
+        prompts = [f"{tag} number {i}" for i in range(n)]
+        params = {"max_tokens": max_tokens, **GREEDY}
+        jobs = client.submit_many(make_request(p, **params) for p in prompts)
+        return cls(client, jobs, [{"prompt": p, "params": params} for p in prompts])
+
+    def tokens_so_far(self, conn: redis.Redis | None = None) -> list[int]:
+        conn = conn or self.client.redis
+        counts = []
+        for job in self.jobs:
+            events = [decode_event(i, f) for i, f in conn.xrange(self.client.keys.reply(job.id))]
+            counts.append(sum(len(e.token_ids) for e in events if isinstance(e, TokenEvent)))
+        return counts
+
+    def check(self, model: Path, conn: redis.Redis | None = None, restarts: bool = False) -> None:
+        """Each job: one done, every token index once, the clean run's tokens; the stream
+        and the pending list empty."""
+        conn = conn or self.client.redis
+        keys = self.client.keys
+        expected = reference_run(model, self.requests)
+        for job, (_, final) in zip(self.jobs, expected, strict=True):
+            events = [decode_event(i, f) for i, f in conn.xrange(keys.reply(job.id))]
+            reply = check_reply(events)
+            assert reply.done.token_ids == final.token_ids, job.id
+            if not restarts:
+                assert not any(e.type == "restart" for e in events), job.id
+            indices = [i for e in events if isinstance(e, TokenEvent) for i in _span(e)]
+            assert len(indices) == len(set(indices)), f"{job.id}: a token index twice"
+            assert conn.get(keys.job(job.id)) == b"done"
+        assert conn.xlen(keys.jobs) == 0
+        assert conn.xpending(keys.jobs, GROUP)["pending"] == 0
+
+
+def _span(event: TokenEvent) -> range:
+    return range(event.index, event.index + len(event.token_ids))
+
+
+def dead_letters(conn: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    return [{k.decode(): v for k, v in f.items()} for _, f in conn.xrange(keys.dead)]
+
+
+# -- processes die or freeze ------------------------------------------------------------
+
+
+def test_kill_9_of_one_of_two_workers_loses_and_duplicates_nothing(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    tmp_path: Path,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    run = Run.submit(client, 8, 250)
+    args = ["--claim-idle-ms", "1000", "--max-num-seqs", "4"]
+    with (
+        WorkerProcess(tiny_model, redis_url, redis_namespace, tmp_path / "a.log",
+                      consumer="a", extra=args) as a,
+        WorkerProcess(tiny_model, redis_url, redis_namespace, tmp_path / "b.log",
+                      consumer="b", extra=args) as b,
+    ):  # fmt: skip
+        wait_for(lambda: min(run.tokens_so_far()) > 10, timeout=60)
+        held = client.redis.xpending_range(client.keys.jobs, GROUP, "-", "+", 20, "a")
+        assert held, "worker a should hold jobs when it is killed"
+        a.kill()
+        wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
+        assert b.alive()
+        b.proc.send_signal(signal.SIGTERM)
+        b.wait_clean_exit(timeout=30)
+    run.check(tiny_model)
+    assert client.redis.xlen(client.keys.dead) == 0
+    client.close()
+
+
+def test_a_worker_frozen_past_the_claim_time_wakes_up_fenced_out(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    tmp_path: Path,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    run = Run.submit(client, 8, 300)
+    args = ["--claim-idle-ms", "1000", "--max-num-seqs", "4"]
+    with (
+        WorkerProcess(tiny_model, redis_url, redis_namespace, tmp_path / "a.log",
+                      consumer="a", extra=args) as a,
+        WorkerProcess(tiny_model, redis_url, redis_namespace, tmp_path / "b.log",
+                      consumer="b", extra=args) as b,
+    ):  # fmt: skip
+        wait_for(lambda: min(run.tokens_so_far()) > 10, timeout=60)
+        assert client.redis.xpending_range(client.keys.jobs, GROUP, "-", "+", 20, "a")
+        a.proc.send_signal(signal.SIGSTOP)
+        # b takes a's jobs over once they have been idle past the claim time...
+        wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
+        a.proc.send_signal(signal.SIGCONT)
+        # ...and a, awake again, must write nothing more for them and keep serving.
+        time.sleep(1.5)
+        later = Run.submit(client, 4, 20, tag="after the thaw")
+        wait_for(lambda: all(j.status() == "done" for j in later.jobs), timeout=60)
+        assert a.alive() and b.alive()
+        for w in (a, b):
+            w.proc.send_signal(signal.SIGTERM)
+        a.wait_clean_exit(timeout=30)
+        b.wait_clean_exit(timeout=30)
+    run.check(tiny_model)
+    later.check(tiny_model)
+    assert client.redis.xlen(client.keys.dead) == 0
+    assert "taken over by another worker" in a.log.read_text()
+    client.close()
+
+
+# -- Redis restarts, cut and stalled replies --------------------------------------------
+
+
+def test_three_redis_restarts_under_long_jobs_dead_letter_nothing(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Eight 300-token jobs, Redis (AOF) restarted three times for a second while they run,
+    no worker dies: every job finishes once, seamlessly, and none is dead-lettered."""
+    with RedisServer(tmp_path / "redis") as server:
+        client = Client(server.url, namespace="faults")
+        run = Run.submit(client, 8, 300)
+        conn = redis.Redis.from_url(server.url, socket_timeout=2, socket_connect_timeout=1)
+        # A small outbox: the engine pauses while Redis is away, so each restart hits
+        # jobs in the middle of their generation.
+        config = fast_config("faults", max_outbox_events=64, max_backoff_s=0.2)
+        worker = Worker(make_engine(tiny_model), conn, config)
+        direct = server.client()
+        with WorkerThread(worker) as w:
+            for threshold in (40, 120, 200):
+                wait_for(lambda t=threshold: min(run.tokens_so_far(direct)) >= t, timeout=60)
+                server.restart(down_for=1.0)
+            wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=120)
+            assert sum(w.metrics.request_success_total.values()) == 8
+        run.check(tiny_model, direct)
+        assert direct.xlen(client.keys.dead) == 0
+        deliveries = [inf for inf in worker.in_flight.values()]
+        assert not deliveries
+        client.close()
+
+
+def test_cut_and_stalled_publish_replies_duplicate_no_token(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Redis runs the publish call but the worker never hears back (the connection is cut,
+    or Redis stalls past the socket timeout): re-sending it must write nothing twice."""
+    with RedisServer(tmp_path / "redis", aof=False) as server, TcpProxy(server.port) as proxy:
+        client = Client(server.url, namespace="faults")
+        run = Run.submit(client, 12, 120)
+        conn = redis.Redis.from_url(proxy.url, socket_timeout=0.5, socket_connect_timeout=1)
+        config = fast_config("faults", max_backoff_s=0.1)
+        with WorkerThread(Worker(make_engine(tiny_model), conn, config)):
+            wait_for(lambda: min(run.tokens_so_far()) > 5, timeout=60)
+            proxy.cut_reply(b"EVALSHA", times=3)
+            wait_for(lambda: proxy.cuts_done == 3, timeout=30)
+            proxy.stall(1.2)  # past the worker's 0.5 s socket timeout
+            time.sleep(1.5)
+            proxy.stall(1.2)
+            wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=120)
+        run.check(tiny_model)
+        assert client.redis.xlen(client.keys.dead) == 0
+        client.close()
+
+
+# -- hostile input ------------------------------------------------------------------------
+
+
+Fields = dict[str, Any]
+
+
+def hostile_entries(rng: random.Random, good_ids: list[str], n: int) -> list[Fields]:
+    """Entries that no worker may run: random bytes, wrong types, extreme numbers, huge
+    sizes, bad ids, and ids of good jobs carried by broken payloads. Each is a job stream
+    entry's fields; an absent "id" gets a fresh one."""
+    ok = {"prompt": "x", "params": {"max_tokens": 2}}
+    numbers = [float("nan"), float("inf"), -float("inf"), 1e308, -1e308, 2**63 - 1, -(2**63)]
+    bad_ints = [float("nan"), float("inf"), 1e308, -(2**63), 0, -1]
+
+    def job(**payload: Any) -> Fields:
+        return {"data": pack(payload)}
+
+    makers = [
+        lambda: {"data": rng.randbytes(rng.randint(0, 64))},
+        lambda: {"data": pack(rng.choice([1, "text", None, [1, 2], 3.5]))},
+        lambda: job(prompt=rng.choice([1, None, [1], {"a": 1}])),
+        lambda: job(prompt="x", params=rng.choice([[], "p", 3])),
+        lambda: job(prompt="x", params={"max_tokens": rng.choice(bad_ints)}),
+        lambda: job(prompt="x", params={"temperature": rng.choice(numbers)}),
+        lambda: job(prompt="x", params={"top_p": rng.choice(numbers)}),
+        lambda: job(prompt="x", priority=rng.choice(numbers)),
+        lambda: job(prompt="x", deadline=rng.choice(numbers[:3])),
+        lambda: job(prompt_token_ids=[rng.choice([-1, 2**40, 10**9])]),
+        lambda: job(messages=[{"role": 1, "content": "x"}]),
+        lambda: job(**ok, unknown=1),
+        lambda: job(prompt="x", params={"logit_bias": {"x": 1.0}}),
+        lambda: job(prompt="x", params={"stop": [1, 2]}),
+        lambda: job(prompt="x", params={"stop": ["s"] * 100}),
+        lambda: job(prompt="x", params={"stop_token_ids": list(range(2000))}),
+        lambda: {**job(**ok), "v": rng.choice(["0", "2", "", "1.0"])},
+        lambda: {**job(**ok), "id": rng.choice(["bad id", "x\n", "", "é", "a" * 200])},
+        lambda: {**job(**ok), "id": None},  # no id field at all
+        lambda: {"data": None},  # no data field
+        # A broken entry that reuses the id of a good job (running or finished by now).
+        lambda: {"data": b"\xc1", "id": rng.choice(good_ids)},
+    ]
+    return [rng.choice(makers)() for _ in range(n)]
+
+
+def huge_entries() -> list[Fields]:
+    return [
+        {"data": pack({"prompt": "p" * (10 << 20)})},  # 10 MB prompt
+        {"data": pack({"prompt": "x", "params": {"logit_bias": dict.fromkeys(range(10**6), 1.0)}})},
+        {"data": pack({"prompt": "x", "params": {"stop": [f"s{i}" for i in range(100_000)]}})},
+        {"data": pack({"prompt": "x", "metadata": "m" * (1 << 20)})},
+    ]
+
+
+def wire(fields: Fields, default_id: str) -> dict[str, Any]:
+    out = {"v": "1", "id": default_id, **fields}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def test_thousands_of_hostile_entries_interleaved_with_good_jobs(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    rng = random.Random(8)
+    client = Client(redis_url, namespace=redis_namespace)
+    conn, keys = client.redis, client.keys
+    conn.xgroup_create(keys.jobs, GROUP, id="0", mkstream=True)
+    good = Run.submit(client, 20, 12)
+    good_ids = [j.id for j in good.jobs]
+    hostile = hostile_entries(rng, good_ids, 2000) + huge_entries()
+    rng.shuffle(hostile)
+    worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
+    runner = WorkerThread(worker)
+    started = time.monotonic()
+    with runner:
+        for start in range(0, len(hostile), 50):
+            with conn.pipeline(transaction=False) as pipe:
+                for i, fields in enumerate(hostile[start : start + 50]):
+                    pipe.xadd(keys.jobs, wire(fields, f"hostile-{start + i}"))
+                pipe.execute()
+            more = Run.submit(client, 1, 6, tag=f"good among the bad {start}")
+            good.jobs += more.jobs
+            good.requests += more.requests
+        wait_for(lambda: all(j.status() == "done" for j in good.jobs), timeout=180)
+        wait_for(lambda: conn.xlen(keys.jobs) == 0, timeout=60)
+        assert runner.alive()  # the same worker, never restarted
+    elapsed = time.monotonic() - started
+    good.check(tiny_model)
+    dead = dead_letters(conn, keys)
+    assert len(dead) == len(hostile), "every hostile entry, and nothing else, is dead-lettered"
+    for d in dead:
+        assert len(d["message"]) < 500
+        assert len(d["fields"]) < 40_000
+    # A hostile entry with a usable id got one readable error on its reply stream; one
+    # that reused a good job's id left that job's reply alone (checked above).
+    answered = 0
+    for i in range(len(hostile)):
+        events = [decode_event(e, f) for e, f in conn.xrange(keys.reply(f"hostile-{i}"))]
+        if events:
+            assert len(events) == 1 and isinstance(events[0], ErrorEvent), i
+            assert len(events[0].message) < 500
+            answered += 1
+    assert answered > len(hostile) // 2
+    print(f"fuzz: {len(hostile)} hostile entries, {len(good.jobs)} good jobs, {elapsed:.1f}s")
+    client.close()
+
+
+# -- smaller ones -------------------------------------------------------------------------
+
+
+def test_a_job_id_ending_in_a_newline_is_refused() -> None:
+    from producer.protocol import JobRequest, ProtocolError
+
+    with pytest.raises(ProtocolError):
+        JobRequest(prompt="x", job_id="job\n").validate()
+
+
+def test_dead_letters_keep_a_bounded_prefix_of_huge_entries(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn, keys = client.redis, client.keys
+    conn.xgroup_create(keys.jobs, GROUP, id="0", mkstream=True)
+    conn.xadd(keys.jobs, {"v": "1", "id": "huge", "data": pack({"prompt": "p" * (10 << 20)})})
+    small = {"prompt": "x", "params": {"nucleus": 1}}
+    conn.xadd(keys.jobs, {"v": "1", "id": "small", "data": pack(small)})
+    with WorkerThread(Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))):
+        wait_for(lambda: conn.xlen(keys.dead) == 2)
+    letters = {d["job_id"]: d for d in dead_letters(conn, keys)}
+    assert letters[b"huge"]["code"] == b"payload_too_large"
+    assert letters[b"huge"]["truncated"] == b"1"
+    assert len(letters[b"huge"]["fields"]) <= 33 << 10
+    assert letters[b"small"]["truncated"] == b"0"
+    assert unpack(unpack(letters[b"small"]["fields"])[b"data"]) == small
+    client.close()
