@@ -1,7 +1,7 @@
 """The client side of tokenq: submit jobs, read replies. Needs redis and msgpack, no torch."""
 
 from producer.client import AsyncClient, AsyncJob, Client, ClientConfig, Job, make_request
-from producer.errors import ClientClosed, JobFailed, QueueFull
+from producer.errors import ClientClosed, JobFailed, QueueFull, RedisUnavailable
 from producer.protocol import (
     DoneEvent,
     ErrorEvent,
@@ -24,6 +24,7 @@ __all__ = [
     "JobFailed",
     "JobRequest",
     "QueueFull",
+    "RedisUnavailable",
     "RestartEvent",
     "TokenEvent",
     "make_request",

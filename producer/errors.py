@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import redis
+
 
 class QueueFull(Exception):
     """The job stream already holds ``max_backlog`` jobs; retry later or shed the load.
@@ -27,3 +29,20 @@ class JobFailed(Exception):
 
 class ClientClosed(Exception):
     """The client was closed; create a new one to submit again."""
+
+
+class RedisUnavailable(redis.ConnectionError):
+    """Redis stayed unreachable for the client's whole ``retry_for``.
+
+    A subclass of ``redis.ConnectionError``, so code that already handles a lost connection
+    handles this too; ``last_error`` (also the ``__cause__``) is the failure of the last try.
+    """
+
+    def __init__(self, where: str, waited: float, last_error: BaseException) -> None:
+        super().__init__(
+            f"Redis at {where} unavailable: retried for {waited:.1f}s, last error: "
+            f"{type(last_error).__name__}: {last_error}"
+        )
+        self.where = where
+        self.waited = waited
+        self.last_error = last_error
