@@ -33,6 +33,7 @@ from redis.retry import Retry
 
 from producer.errors import ClientClosed, JobFailed, QueueFull, RedisUnavailable
 from producer.protocol import (
+    DEFAULT_LIMITS,
     DEFAULT_NAMESPACE,
     TERMINAL_EVENTS,
     DoneEvent,
@@ -40,8 +41,11 @@ from producer.protocol import (
     Event,
     JobRequest,
     Keys,
+    Limits,
+    ProtocolError,
     decode_event,
     new_job_id,
+    pack,
 )
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -81,6 +85,8 @@ class ClientConfig:
     socket_timeout: float = 5.0
     health_check_interval: int = 30  # PING a connection idle this long before using it
     max_connections: int = 50  # a command waits for a free connection beyond this
+    # Size bounds checked before a job is sent; workers check the same (their own limits).
+    limits: Limits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
         if self.block_ms < 1:
@@ -115,7 +121,7 @@ def make_request(
     )
 
 
-def _prepare(requests: Iterable[JobRequest]) -> list[JobRequest]:
+def _prepare(requests: Iterable[JobRequest], limits: Limits) -> list[JobRequest]:
     """Give each job its id and submit time and fail fast on what a worker would reject
     anyway, before anything reaches Redis."""
     now = time.time()
@@ -124,7 +130,14 @@ def _prepare(requests: Iterable[JobRequest]) -> list[JobRequest]:
         req = dataclasses.replace(
             req, job_id=req.job_id or new_job_id(), submitted_at=req.submitted_at or now
         )
-        req.validate()
+        req.validate(limits)
+        size = len(pack(req.payload()))
+        if size > limits.max_payload_bytes:
+            raise ProtocolError(
+                "payload_too_large",
+                f"the job is {size} bytes packed (limit {limits.max_payload_bytes})",
+                req.job_id,
+            )
         out.append(req)
     return out
 
@@ -625,7 +638,7 @@ class Client:
         """
         if self._closed:
             raise ClientClosed("submit on a closed client")
-        reqs = _prepare(requests)
+        reqs = _prepare(requests, self.config.limits)
         if not reqs:
             return []
         duplicate = self._retrying(lambda: self._submit_once(reqs))
@@ -750,7 +763,7 @@ class AsyncClient:
         """As `Client.submit_many`."""
         if self._closed:
             raise ClientClosed("submit on a closed client")
-        reqs = _prepare(requests)
+        reqs = _prepare(requests, self.config.limits)
         if not reqs:
             return []
         duplicate = await self._retrying(lambda: self._submit_once(reqs))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -347,4 +347,94 @@ def test_dead_letters_keep_a_bounded_prefix_of_huge_entries(
     assert len(letters[b"huge"]["fields"]) <= 33 << 10
     assert letters[b"small"]["truncated"] == b"0"
     assert unpack(unpack(letters[b"small"]["fields"])[b"data"]) == small
+    client.close()
+
+
+def test_a_broken_entry_reusing_a_jobs_id_never_adds_a_terminal_event(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn, keys = client.redis, client.keys
+    run = Run.submit(client, 1, 200)
+    (job,) = run.jobs
+    broken = {"v": "1", "id": job.id, "data": b"\xc1"}
+    with WorkerThread(Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))):
+        wait_for(lambda: run.tokens_so_far()[0] > 5)
+        conn.xadd(keys.jobs, broken)  # while the job runs
+        wait_for(lambda: job.status() == "done")
+        conn.xadd(keys.jobs, broken)  # after it finished
+        wait_for(lambda: conn.xlen(keys.dead) == 2)
+    run.check(tiny_model)  # one terminal event: the done
+    assert job.status() == "done"
+    codes = [d["code"] for d in dead_letters(conn, keys)]
+    assert codes == [b"invalid_payload", b"invalid_payload"]
+    client.close()
+
+
+def test_huge_entries_do_not_stall_the_jobs_beside_them(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn, keys = client.redis, client.keys
+    with pytest.raises(ValueError, match="payload_too_large"):
+        client.submit("p" * (10 << 20))  # refused before it reaches Redis
+    with pytest.raises(ValueError, match="logit_bias"):
+        client.submit("x", logit_bias=dict.fromkeys(range(10**6), 1.0))
+    assert not conn.exists(keys.jobs)
+    run = Run.submit(client, 4, 400)
+    worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
+    with WorkerThread(worker):
+        wait_for(lambda: min(run.tokens_so_far()) > 5)
+        for i, fields in enumerate(huge_entries()):
+            conn.xadd(keys.jobs, wire(fields, f"huge-{i}"))
+        # Just under the client's bound, and far beyond what the context holds.
+        conn.xadd(keys.jobs, wire({"data": pack({"prompt": "word " * 190_000})}, "long"))
+        gaps = []
+        last = time.monotonic()
+        for _ in run.jobs[0].stream(timeout=60):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+        for i in range(4):
+            (error,) = client.job(f"huge-{i}").stream(timeout=30)
+            assert isinstance(error, ErrorEvent)
+            assert error.code in ("payload_too_large", "invalid_params"), error.message
+        events = list(client.job("long").stream(timeout=30))
+        assert [e.code for e in events if isinstance(e, ErrorEvent)] == ["prompt_too_long"]
+        wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
+    run.check(tiny_model)
+    assert max(gaps) < 1.0, f"a bystander waited {max(gaps):.2f}s between events"
+    for d in dead_letters(conn, keys):
+        assert len(d["message"]) < 300
+    client.close()
+
+
+def test_a_dead_workers_job_is_reclaimed_within_about_the_claim_time(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn, keys = client.redis, client.keys
+    run = Run.submit(client, 1, 60)
+    claim_ms = 1000
+    config = fast_config(redis_namespace, claim_idle_ms=claim_ms, claim_interval_s=5.0)
+    dead = Worker(make_engine(tiny_model), conn, replace(config, consumer="dead"))
+    dead.ensure_group()
+    while run.tokens_so_far()[0] < 3:
+        dead.run_once()
+    died = time.monotonic()  # its last heartbeat was no later than this
+    rescuer = Worker(make_engine(tiny_model), conn, replace(config, consumer="rescuer"))
+    with WorkerThread(rescuer):
+        wait_for(lambda: run.jobs[0].id in rescuer.in_flight, timeout=10)
+        taken = time.monotonic() - died
+        wait_for(lambda: run.jobs[0].status() == "done")
+    run.check(tiny_model)
+    # claim_interval_s says 5 s, but a dead worker's job must not wait that long.
+    assert taken < 1.6 * claim_ms / 1000, taken
+    assert conn.xlen(keys.dead) == 0
     client.close()
