@@ -17,7 +17,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, clip
 from engine.loader import load_checkpoint, resolve_model
 from engine.model import LlamaModel
 from engine.outputs import EngineStats, RequestOutput
@@ -70,6 +70,10 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        # Text longer than this cannot tokenize to fewer than max_model_len tokens (None:
+        # this tokenizer gives no such bound, so every prompt is tokenized to be measured).
+        chars = self.tokenizer.max_token_chars()
+        self.max_prompt_chars = None if chars is None else self.max_model_len * chars
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._recent_request_tokens = 256.0  # running mean of prompt + max_tokens, for admission
@@ -92,12 +96,16 @@ class LLMEngine:
         """Queue a request. Bad input raises ``InvalidRequest`` here, never later.
 
         ``arrival_time`` and ``deadline`` are ``time.monotonic()`` values; a request still
-        unfinished at its deadline ends with finish reason ``deadline``.
+        unfinished at its deadline ends with finish reason ``deadline``. A caller that must
+        not block on tokenizing a big prompt runs ``encode_prompt`` elsewhere first and
+        passes its ids as ``prompt_token_ids``.
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest("invalid_request_id", "request id must be a non-empty string")
         if request_id in self.requests:
-            raise InvalidRequest("duplicate_request", f"request {request_id} is already running")
+            raise InvalidRequest(
+                "duplicate_request", f"request {clip(request_id)} is already running"
+            )
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         elif params is None:
@@ -106,13 +114,8 @@ class LLMEngine:
             raise InvalidRequest("invalid_params", "params must be SamplingParams or a mapping")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequest("invalid_priority", "priority must be an integer")
-        token_ids = self._prompt_tokens(prompt, prompt_token_ids, messages)
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                "prompt_too_long",
-                f"prompt has {len(token_ids)} tokens; this worker's limit is "
-                f"{self.max_model_len - 1} (context {self.max_model_len})",
-            )
+        self._check_vocabulary(params)
+        token_ids = self.encode_prompt(prompt, prompt_token_ids, messages)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -131,13 +134,36 @@ class LLMEngine:
         )
         self.counters["requests_added"] += 1
 
-    def _prompt_tokens(
+    def _check_vocabulary(self, params: SamplingParams) -> None:
+        """Token ids in the parameters must exist: the sampler indexes the logits with them."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    "invalid_params",
+                    f"{name}: token id {clip(str(bad))} is outside the vocabulary [0, {vocab})",
+                )
+
+    def encode_prompt(
         self,
-        prompt: str | None,
-        token_ids: list[int] | None,
-        messages: list[dict[str, Any]] | None,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        given = [x is not None for x in (prompt, token_ids, messages)]
+        """A request's input (exactly one of the three) validated and tokenized, and checked
+        to fit the context; ``InvalidRequest`` (``invalid_input``, ``empty_prompt``,
+        ``prompt_too_long``) otherwise.
+
+        Thread-safe: it reads only what ``__init__`` set and never changes, so a caller can
+        tokenize big prompts on other threads (the tokenizer releases the GIL) while the
+        engine steps, then pass the ids to ``add_request``. Text too long for the context
+        whatever its tokens (see ``max_prompt_chars``) is refused without tokenizing it.
+        """
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
             raise InvalidRequest(
                 "invalid_input", "give exactly one of prompt, prompt_token_ids, messages"
@@ -145,7 +171,7 @@ class LLMEngine:
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise InvalidRequest("invalid_input", "prompt must be a string")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self._encode_text(prompt, add_special_tokens=True)
         elif messages is not None:
             if (
                 not isinstance(messages, list)
@@ -164,20 +190,51 @@ class LLMEngine:
             try:
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             except Exception as exc:  # the template's own raise_exception, bad roles
-                raise InvalidRequest("invalid_input", f"chat template failed: {exc}") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+                raise InvalidRequest(
+                    "invalid_input", f"chat template failed: {clip(str(exc))}"
+                ) from None
+            ids = self._encode_text(text, add_special_tokens=False)
         else:
             vocab = self.model_config.vocab_size
-            if not isinstance(token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids
+            if not isinstance(prompt_token_ids, list):
+                raise InvalidRequest("invalid_input", "prompt_token_ids must be a list")
+            if len(prompt_token_ids) >= self.max_model_len:  # before a pass over a huge list
+                raise self._too_long(f"{len(prompt_token_ids)} tokens")
+            if not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                for t in prompt_token_ids
             ):
                 raise InvalidRequest(
                     "invalid_input", f"prompt_token_ids must be a list of ids in [0, {vocab})"
                 )
-            ids = list(token_ids)
+            ids = list(prompt_token_ids)
         if not ids:
             raise InvalidRequest("empty_prompt", "the prompt has no tokens")
+        if len(ids) >= self.max_model_len:
+            raise self._too_long(f"{len(ids)} tokens")
         return ids
+
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise self._too_long(
+                f"{len(text)} characters, more than {self.max_model_len} tokens of this "
+                f"vocabulary can spell ({self.max_prompt_chars})"
+            )
+        if not text.isascii():
+            try:  # a lone surrogate ("\ud800" is valid JSON) is no UTF-8: no tokens for it
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequest(
+                    "invalid_input", f"the prompt is not valid text: {exc.reason} at {exc.start}"
+                ) from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _too_long(self, size: str) -> InvalidRequest:
+        return InvalidRequest(
+            "prompt_too_long",
+            f"prompt has {size}; this worker's limit is {self.max_model_len - 1} tokens "
+            f"(context {self.max_model_len})",
+        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; its blocks are free when this returns."""

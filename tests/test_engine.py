@@ -188,6 +188,8 @@ def test_bad_requests_are_refused_with_a_code(tiny_dir: Path):
         ({"prompt_token_ids": [10**9]}, "invalid_input"),
         ({"prompt": "hi", "prompt_token_ids": [1]}, "invalid_input"),
         ({"messages": [{"role": "user"}]}, "invalid_input"),
+        ({"prompt": "lone \ud800 surrogate"}, "invalid_input"),
+        ({"messages": [{"role": "user", "content": "\udfff"}]}, "invalid_input"),
         ({"prompt": "hi", "params": {"temperature": -2}}, "invalid_params"),
     ]
     for kwargs, code in cases:
@@ -245,3 +247,81 @@ def test_cpu_kernels_give_the_same_tokens_as_torch(tiny_dir: Path):
     engine = make_engine(tiny_dir, max_num_batched_tokens=24)
     assert (torch_engine.backend.name, engine.backend.name) == ("torch", "cpu")
     assert run(engine, reqs, params) == run(torch_engine, reqs, params)
+
+
+# -- at the door: what cannot run is refused by add_request, and fast ------------------------
+
+
+def run_all(engine: LLMEngine) -> dict:
+    """Every request to its end: no exception may escape a step; all blocks free after."""
+    done = run_to_end(engine)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return done
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_parameter(tiny_dir: Path):
+    engine = make_engine(tiny_dir)
+    vocab = engine.model_config.vocab_size
+    for params, name in [
+        ({"stop_token_ids": [1, vocab], "min_tokens": 2}, "stop_token_ids"),
+        ({"logit_bias": {str(vocab): 5}}, "logit_bias"),
+        ({"logit_bias": {10**18: 5}}, "logit_bias"),
+    ]:
+        with pytest.raises(InvalidRequest) as err:
+            engine.add_request("bad", prompt_token_ids=[1, 2], params=params)
+        assert err.value.code == "invalid_params"
+        assert err.value.message.startswith(f"{name}: token id ")
+    assert not engine.has_unfinished()
+
+
+def test_encode_prompt_gives_the_ids_add_request_queues(tiny_dir: Path):
+    engine = make_engine(tiny_dir)
+    chat = [{"role": "user", "content": "Hi there"}]
+    for kwargs in ({"prompt": "Hello, world"}, {"messages": chat}, {"prompt_token_ids": [5, 6]}):
+        ids = engine.encode_prompt(**kwargs)
+        engine.add_request("q", **kwargs, params=GREEDY)
+        assert engine.requests["q"].prompt_token_ids == ids
+        engine.abort("q")
+
+
+def test_text_too_long_for_the_context_is_refused_without_tokenizing_it(
+    tiny_dir: Path, monkeypatch
+):
+    import time
+
+    engine = make_engine(tiny_dir)
+    limit = engine.max_prompt_chars
+    assert limit == engine.max_model_len * engine.tokenizer.max_token_chars()
+
+    def encode(*args, **kwargs):
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+    monkeypatch.setattr(engine.tokenizer, "encode", encode)
+    huge = "a" * 10_000_000
+    for kwargs in ({"prompt": huge}, {"messages": [{"role": "user", "content": huge}]}):
+        start = time.perf_counter()
+        with pytest.raises(InvalidRequest) as err:
+            engine.encode_prompt(**kwargs)
+        assert err.value.code == "prompt_too_long"
+        assert time.perf_counter() - start < 1.0  # tokenizing it takes seconds
+    with pytest.raises(InvalidRequest) as err:
+        engine.encode_prompt(prompt="a" * (limit + 1))
+    assert err.value.code == "prompt_too_long"
+    monkeypatch.undo()  # at the bound it is tokenized, and refused for its token count
+    with pytest.raises(InvalidRequest) as err:
+        engine.encode_prompt(prompt="a" * limit)
+    assert err.value.code == "prompt_too_long" and "tokens;" in err.value.message
+
+
+def test_encode_prompt_from_other_threads_while_the_engine_steps(tiny_dir: Path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = make_engine(tiny_dir)
+    texts = [f"request {i}: " + "some words and 123 numbers " * 200 for i in range(8)]
+    expected = [engine.encode_prompt(prompt=t) for t in texts]
+    for i, p in enumerate(prompts(4)):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=GREEDY)
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(engine.encode_prompt, t) for t in texts]
+        run_all(engine)
+        assert [f.result() for f in futures] == expected
