@@ -1,6 +1,12 @@
-"""Errors the engine raises for bad requests: each carries a stable code for the wire."""
+"""Errors the engine raises: bad requests (each with a stable code for the wire), and a step
+that failed for reasons no single request explains."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
 
 # How much of a client's value an error message may quote: enough to recognise it, never
 # enough to turn a 10 MB parameter into a 10 MB error reply and log line.
@@ -25,3 +31,15 @@ class InvalidRequest(ValueError):
 
 class InvalidTransition(RuntimeError):
     """A request state change that the lifecycle does not allow (a bug, never input)."""
+
+
+class StepFailed(RuntimeError):
+    """The forward pass failed for every request of the step, each of them run alone too: the
+    fault is the engine's (out of memory, a broken device), not any one job's, so no request
+    is blamed and none has advanced. ``outputs`` are what the step had already finished
+    before the forward pass (deadline expiries): the caller must still deliver them.
+    The original exception is the ``__cause__``."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs

@@ -7,7 +7,9 @@ only as much work as the engine can take.
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
+import logging
 import time
 from collections import Counter
 from typing import Any
@@ -17,15 +19,17 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import InvalidRequest, clip
+from engine.errors import InvalidRequest, StepFailed, clip
 from engine.loader import load_checkpoint, resolve_model
 from engine.model import LlamaModel
 from engine.outputs import EngineStats, RequestOutput
-from engine.sampler import sample
+from engine.sampler import SampleResult, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestMetrics, RequestState, Sequence
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -281,41 +285,129 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One forward pass over what the scheduler picked, and the tokens it yields.
+
+        A request whose own processing raises (its forward pass, sampling its row,
+        detokenizing, stop checks) ends alone with finish reason ``error`` and a message in
+        ``RequestOutput.error``; every other request carries on with its normal tokens.
+        Raises ``StepFailed`` only when the forward pass fails for every request of a batch
+        of several, each run alone too: then no request has advanced.
+        """
         outputs = self._expire_deadlines()
         sched = self.scheduler.schedule()
         self.counters["preemptions"] += len(sched.preempted)
         if not sched.scheduled:
             return outputs
-        logits = self._forward(sched.scheduled)
-        sampling = [s for s in sched.scheduled if s.samples]
-        for s in sched.scheduled:
+        try:
+            logits = self._forward(sched.scheduled)
+        except Exception as exc:
+            return outputs + self._isolate(sched.scheduled, exc, outputs)
+        return outputs + self._complete(sched.scheduled, logits)
+
+    def _isolate(
+        self, batch: list[ScheduledSeq], exc: Exception, finished: list[RequestOutput]
+    ) -> list[RequestOutput]:
+        """The batched forward pass raised: find the request(s) it fails for, by bisection.
+
+        Nothing has advanced: ``schedule()`` only allocated blocks and admitted or preempted
+        requests, which stays valid for any part of the batch, and ``num_computed_tokens``
+        moves only after a successful pass (K/V a failed pass wrote lie beyond it, in blocks
+        no other request shares, and are overwritten). So each half of a failing group is
+        run again: a half that succeeds is completed as usual, a request that fails alone
+        ends with ``error``. Costs at most 2n - 1 passes, on the failing path only.
+        """
+        outputs: list[RequestOutput] = []
+        culprits: list[tuple[Sequence, Exception]] = []
+        failing = [(batch, exc)]
+        while failing:
+            group, error = failing.pop()
+            if len(group) == 1:
+                culprits.append((group[0].seq, error))
+                continue
+            mid = len(group) // 2
+            for half in (group[:mid], group[mid:]):
+                try:
+                    logits = self._forward(half)
+                except Exception as half_error:
+                    failing.append((half, half_error))
+                else:
+                    outputs += self._complete(half, logits)
+        if len(culprits) == len(batch) > 1:
+            raise StepFailed(
+                f"the forward pass failed for each of its {len(batch)} requests alone: "
+                f"{_describe(exc)}",
+                finished,
+            ) from exc
+        return outputs + [self._fail(seq, error) for seq, error in culprits]
+
+    def _complete(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> list[RequestOutput]:
+        """Book a successful forward pass, then take a token for each request that reached
+        the end of its known tokens. Each request's post-processing fails only itself."""
+        for s in scheduled:
             prev = s.seq.num_computed_tokens
             s.seq.num_computed_tokens = s.start + s.num_tokens
             self.block_manager.commit_full_blocks(s.seq, prev)
         self.counters["prompt_tokens"] += sum(
             max(0, min(s.start + s.num_tokens, s.seq.num_prompt_tokens) - s.start)
-            for s in sched.scheduled
+            for s in scheduled
         )
         self.counters["steps"] += 1
-        if not sampling:
-            return outputs
-        seqs = [s.seq for s in sampling]
-        results = sample(
-            logits,
-            [q.params for q in seqs],
-            [q.prompt_token_ids for q in seqs],
-            [q.output_token_ids for q in seqs],
-            [self._banned(q) for q in seqs],
-        )
-        for seq, result in zip(seqs, results, strict=True):
-            if seq.state is RequestState.PREFILLING:
-                seq.transition(RequestState.DECODING)
-            seq.append_token(result.token_id)
-            if result.logprobs is not None:
-                seq.logprobs.append(result.logprobs)
-            self.counters["generation_tokens"] += 1
-            outputs.append(self._advance(seq, result.token_id))
+        seqs = [s.seq for s in scheduled if s.samples]
+        outputs: list[RequestOutput] = []
+        for seq, result in zip(seqs, self._sample(seqs, logits), strict=True):
+            if isinstance(result, Exception):
+                outputs.append(self._fail(seq, result))
+                continue
+            try:
+                outputs.append(self._accept(seq, result))
+            except Exception as exc:
+                outputs.append(self._fail(seq, exc))
         return outputs
+
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> collections.abc.Sequence[SampleResult | Exception]:
+        """One token per request, batched; if that raises, row by row, so that a row that
+        cannot be sampled fails only its own request."""
+        if not seqs:
+            return []
+        try:
+            return sample(
+                logits,
+                [q.params for q in seqs],
+                [q.prompt_token_ids for q in seqs],
+                [q.output_token_ids for q in seqs],
+                [self._banned(q) for q in seqs],
+            )
+        except Exception:
+            return [self._sample_alone(q, logits[i : i + 1]) for i, q in enumerate(seqs)]
+
+    def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> SampleResult | Exception:
+        """This request's token, or the exception that sampling its row raised."""
+        try:
+            banned = self._banned(seq)
+            return sample(
+                logits, [seq.params], [seq.prompt_token_ids], [seq.output_token_ids], [banned]
+            )[0]
+        except Exception as exc:
+            return exc
+
+    def _accept(self, seq: Sequence, result: SampleResult) -> RequestOutput:
+        """Record a sampled token, then detokenize it and apply the stop rules."""
+        if seq.state is RequestState.PREFILLING:
+            seq.transition(RequestState.DECODING)
+        seq.append_token(result.token_id)
+        if result.logprobs is not None:
+            seq.logprobs.append(result.logprobs)
+        self.counters["generation_tokens"] += 1
+        return self._advance(seq, result.token_id)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """End one request whose own processing raised (no flush: the detokenizer may be
+        what raised); the step goes on without it."""
+        logger.warning("request %s failed", seq.request_id, exc_info=exc)
+        seq.error = _describe(exc)
+        return self._finish(seq, "error", RequestState.FAILED, flush=False)
 
     def _forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         bs = self.block_manager.block_size
@@ -431,6 +523,7 @@ class LLMEngine:
             logprobs=logprobs,
             text=seq.text if finished else None,
             token_ids=list(seq.output_token_ids) if finished else None,
+            error=seq.error,
         )
 
     def _finish(
@@ -451,3 +544,8 @@ class LLMEngine:
         now = time.monotonic()
         late = [s for s in self.requests.values() if s.deadline is not None and now >= s.deadline]
         return [self._finish(s, "deadline", RequestState.CANCELLED) for s in late]
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as a short message for a client: its type and its (clipped) text."""
+    return clip(f"{type(exc).__name__}: {exc}")

@@ -325,3 +325,151 @@ def test_encode_prompt_from_other_threads_while_the_engine_steps(tiny_dir: Path)
         futures = [pool.submit(engine.encode_prompt, t) for t in texts]
         run_all(engine)
         assert [f.result() for f in futures] == expected
+
+
+# -- one poison request never breaks its step or its neighbours --------------------------------
+
+POISON = 49151  # a valid token id that only poison prompts carry (innocent ids are < 40000)
+
+
+def alone_tokens(model: Path, reqs: list[list[int]]) -> list[list[int]]:
+    """What each request generates on an engine of its own (greedy)."""
+    engine = make_engine(model)
+    return [run(engine, [p])["r0"] for p in reqs]
+
+
+def add_beside(engine: LLMEngine, reqs: list[list[int]], poison: list[int]) -> None:
+    """The poison request first, then the innocent ones: all in the same first step."""
+    engine.add_request("poison", prompt_token_ids=poison, params=GREEDY)
+    for i, p in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=GREEDY)
+
+
+def assert_only_the_poison_failed(done: dict, alone: list[list[int]], error: str) -> None:
+    assert done["poison"].finish_reason == "error"
+    assert done["poison"].error.startswith(error)
+    for i, tokens in enumerate(alone):
+        out = done[f"r{i}"]
+        assert (out.finish_reason, out.error, out.token_ids) == ("length", None, tokens)
+
+
+def fail_forward_when(engine: LLMEngine, monkeypatch, fails) -> None:
+    forward = engine.model.forward
+
+    def poisoned(input_ids, positions, *rest):
+        if fails(input_ids, positions):
+            raise RuntimeError("poisoned batch")
+        return forward(input_ids, positions, *rest)
+
+    monkeypatch.setattr(engine.model, "forward", poisoned)
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_a_request_whose_forward_pass_raises_fails_alone(tiny_dir: Path, monkeypatch, when: str):
+    reqs = prompts(5)
+    alone = alone_tokens(tiny_dir, reqs)
+    engine = make_engine(tiny_dir)
+    poison = prompts(1, (95,))[0]
+    if when == "prefill":  # the batch fails whenever the poison prompt is in it
+        poison[3] = POISON
+        fail_forward_when(engine, monkeypatch, lambda ids, pos: bool((ids == POISON).any()))
+    else:  # only the poison request ever reaches position 100, mid-generation
+        fail_forward_when(engine, monkeypatch, lambda ids, pos: bool((pos >= 100).any()))
+    add_beside(engine, reqs, poison)
+    done = run_all(engine)
+    assert_only_the_poison_failed(done, alone, "RuntimeError: poisoned batch")
+    # Decode: the 6th generated token sits at position 100; feeding it is what fails.
+    assert done["poison"].completion_tokens == (0 if when == "prefill" else 6)
+
+
+@pytest.mark.parametrize("stage", ["sampling", "detokenizing"])
+def test_a_request_whose_token_processing_raises_fails_alone(
+    tiny_dir: Path, monkeypatch, stage: str
+):
+    from engine import llm_engine
+
+    reqs = prompts(5)
+    alone = alone_tokens(tiny_dir, reqs)
+    engine = make_engine(tiny_dir)
+    add_beside(engine, reqs, [300, POISON, 301])
+    if stage == "sampling":
+        real_sample = llm_engine.sample
+
+        def sample(logits, params, prompts_, *rest):
+            if any(POISON in p for p in prompts_):
+                raise ValueError("no token for this row")
+            return real_sample(logits, params, prompts_, *rest)
+
+        monkeypatch.setattr(llm_engine, "sample", sample)
+        error, tokens = "ValueError: no token for this row", 0
+    else:  # the third token of the poison request cannot be decoded
+        detokenizer = engine.requests["poison"].detokenizer
+        real_push, pushed = detokenizer.push, []
+
+        def push(ids):
+            pushed.append(ids)
+            if len(pushed) == 3:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+            return real_push(ids)
+
+        monkeypatch.setattr(detokenizer, "push", push)
+        error, tokens = "UnicodeDecodeError: 'utf-8' codec", 3
+    done = run_all(engine)
+    assert_only_the_poison_failed(done, alone, error)
+    assert done["poison"].completion_tokens == tokens
+
+
+def test_a_forward_pass_failing_for_everyone_raises_step_failed_and_a_retry_is_correct(
+    tiny_dir: Path, monkeypatch
+):
+    import time
+
+    from engine import StepFailed
+
+    reqs = prompts(3)
+    alone = alone_tokens(tiny_dir, reqs)
+    engine = make_engine(tiny_dir)
+    for i, p in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=GREEDY)
+    first = {out.request_id: out.new_token_ids for out in engine.step()}
+    late = time.monotonic() - 1
+    engine.add_request("late", prompt_token_ids=reqs[0], params=GREEDY, deadline=late)
+    fail_forward_when(engine, monkeypatch, lambda ids, pos: True)  # out of memory, say
+    with pytest.raises(StepFailed) as err:
+        engine.step()
+    assert isinstance(err.value.__cause__, RuntimeError)
+    # Nothing advanced, nobody blamed; what the step did finish is handed over.
+    assert [(o.request_id, o.finish_reason) for o in err.value.outputs] == [("late", "deadline")]
+    for i, p in enumerate(reqs):
+        seq = engine.requests[f"r{i}"]
+        assert (seq.num_computed_tokens, seq.output_token_ids) == (len(p), first[f"r{i}"])
+    monkeypatch.undo()  # the device recovers: the same requests go on exactly as before
+    done = run_all(engine)
+    assert [done[f"r{i}"].token_ids for i in range(3)] == alone
+
+
+def test_after_step_failed_aborting_everything_frees_the_whole_kv_pool(tiny_dir: Path, monkeypatch):
+    from engine import StepFailed
+
+    engine = make_engine(tiny_dir, max_num_batched_tokens=40)  # some prefills still chunked
+    for i, p in enumerate(prompts(6)):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=GREEDY)
+    engine.step()
+    fail_forward_when(engine, monkeypatch, lambda ids, pos: True)
+    with pytest.raises(StepFailed):
+        engine.step()
+    for request_id in list(engine.requests):
+        assert engine.abort(request_id).finish_reason == "cancelled"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_unfinished() and not engine.scheduler.has_work()
+
+
+def test_a_lone_request_whose_forward_pass_raises_ends_with_error(tiny_dir: Path, monkeypatch):
+    # With nothing to compare it against, a lone request cannot be told from a broken
+    # device; it is failed rather than retried forever.
+    engine = make_engine(tiny_dir)
+    fail_forward_when(engine, monkeypatch, lambda ids, pos: True)
+    engine.add_request("only", prompt_token_ids=prompts(1)[0], params=GREEDY)
+    (out,) = engine.step()
+    assert (out.finish_reason, out.error) == ("error", "RuntimeError: poisoned batch")
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
