@@ -467,9 +467,11 @@ class LLMEngine:
         p = seq.params
         seq.text += seq.detokenizer.push([token])
         reason = None
-        if token in self.eos_token_ids and not p.ignore_eos:
-            reason = "stop"
-        elif token in p.stop_token_ids:
+        # A stop token stops only past min_tokens. Before, the sampler bans them, unless the
+        # ban would have covered the whole vocabulary and was dropped.
+        if seq.num_output_tokens > p.min_tokens and (
+            (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        ):
             reason = "stop"
         if p.stop and reason is None:
             cut = self._find_stop(seq)

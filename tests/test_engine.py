@@ -473,3 +473,29 @@ def test_a_lone_request_whose_forward_pass_raises_ends_with_error(tiny_dir: Path
     (out,) = engine.step()
     assert (out.finish_reason, out.error) == ("error", "RuntimeError: poisoned batch")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_extreme_but_valid_parameters_run_beside_ordinary_requests(tiny_dir: Path):
+    reqs = prompts(4)
+    alone = alone_tokens(tiny_dir, reqs)
+    engine = make_engine(tiny_dir)
+    vocab = engine.model_config.vocab_size
+    extremes = [
+        {"stop_token_ids": list(range(vocab)), "min_tokens": 4},  # every token stops
+        {"temperature": 1e-300, "repetition_penalty": 0.01, "seed": 2**63 - 1},
+        {"temperature": 100.0, "top_p": 5e-324, "min_p": 1.0, "frequency_penalty": -2.0},
+        {"logit_bias": {str(t): 100 for t in range(0, vocab, 97)}, "presence_penalty": 2.0},
+        {"logit_bias": {t: -100 for t in range(vocab)}, "logprobs": 20, "seed": -(2**63)},
+    ]
+    for i, extra in enumerate(extremes):
+        params = {"max_tokens": 12, "ignore_eos": True, **extra}
+        engine.add_request(f"x{i}", prompt_token_ids=reqs[i % 4], params=params)
+    for i, p in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=GREEDY)
+    done = run_all(engine)
+    for i in range(len(extremes)):
+        assert done[f"x{i}"].error is None
+        assert all(0 <= t < vocab for t in done[f"x{i}"].token_ids)
+    # min_tokens holds even though its ban (the whole vocabulary) had to be dropped.
+    assert (done["x0"].finish_reason, done["x0"].completion_tokens) == ("stop", 5)
+    assert [done[f"r{i}"].token_ids for i in range(4)] == alone
