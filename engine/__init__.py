@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "InvalidRequest": "engine.errors",
     "InvalidTransition": "engine.errors",
+    "StepFailed": "engine.errors",
     "LLMEngine": "engine.llm_engine",
     "RequestState": "engine.sequence",
     "SamplingParams": "engine.sampling_params",

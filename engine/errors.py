@@ -1,6 +1,23 @@
-"""Errors the engine raises for bad requests: each carries a stable code for the wire."""
+"""Errors the engine raises: bad requests (each with a stable code for the wire), and a step
+that failed for reasons no single request explains."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
+
+# How much of a client's value an error message may quote: enough to recognise it, never
+# enough to turn a 10 MB parameter into a 10 MB error reply and log line.
+CLIP_CHARS = 100
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, marking (with the full length) that it was cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} chars)"
 
 
 class InvalidRequest(ValueError):
@@ -17,5 +34,12 @@ class InvalidTransition(RuntimeError):
 
 
 class StepFailed(RuntimeError):
-    """An engine step failed for every request in it, each tried alone: the device or the
-    engine is broken, not one request. The caller should hand its work back."""
+    """The forward pass failed for every request of the step, each of them run alone too: the
+    fault is the engine's (out of memory, a broken device), not any one job's, so no request
+    is blamed and none has advanced. ``outputs`` are what the step had already finished
+    before the forward pass (deadline expiries): the caller must still deliver them.
+    The original exception is the ``__cause__``."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs

@@ -7,7 +7,9 @@ only as much work as the engine can take.
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
+import logging
 import time
 from collections import Counter
 from typing import Any
@@ -17,15 +19,17 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, StepFailed, clip
 from engine.loader import load_checkpoint, resolve_model
 from engine.model import LlamaModel
 from engine.outputs import EngineStats, RequestOutput
-from engine.sampler import sample
+from engine.sampler import SampleResult, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import RequestMetrics, RequestState, Sequence
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -70,6 +74,10 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        # Text longer than this cannot tokenize to fewer than max_model_len tokens (None:
+        # this tokenizer gives no such bound, so every prompt is tokenized to be measured).
+        chars = self.tokenizer.max_token_chars()
+        self.max_prompt_chars = None if chars is None else self.max_model_len * chars
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._recent_request_tokens = 256.0  # running mean of prompt + max_tokens, for admission
@@ -92,12 +100,16 @@ class LLMEngine:
         """Queue a request. Bad input raises ``InvalidRequest`` here, never later.
 
         ``arrival_time`` and ``deadline`` are ``time.monotonic()`` values; a request still
-        unfinished at its deadline ends with finish reason ``deadline``.
+        unfinished at its deadline ends with finish reason ``deadline``. A caller that must
+        not block on tokenizing a big prompt runs ``encode_prompt`` elsewhere first and
+        passes its ids as ``prompt_token_ids``.
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest("invalid_request_id", "request id must be a non-empty string")
         if request_id in self.requests:
-            raise InvalidRequest("duplicate_request", f"request {request_id} is already running")
+            raise InvalidRequest(
+                "duplicate_request", f"request {clip(request_id)} is already running"
+            )
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         elif params is None:
@@ -106,7 +118,8 @@ class LLMEngine:
             raise InvalidRequest("invalid_params", "params must be SamplingParams or a mapping")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequest("invalid_priority", "priority must be an integer")
-        token_ids = self.encode_prompt(prompt, prompt_token_ids=prompt_token_ids, messages=messages)
+        self._check_vocabulary(params)
+        token_ids = self.encode_prompt(prompt, prompt_token_ids, messages)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -125,31 +138,36 @@ class LLMEngine:
         )
         self.counters["requests_added"] += 1
 
+    def _check_vocabulary(self, params: SamplingParams) -> None:
+        """Token ids in the parameters must exist: the sampler indexes the logits with them."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    "invalid_params",
+                    f"{name}: token id {clip(str(bad))} is outside the vocabulary [0, {vocab})",
+                )
+
     def encode_prompt(
         self,
         prompt: str | None = None,
-        *,
         prompt_token_ids: list[int] | None = None,
         messages: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """The prompt's token ids, validated, without touching engine state: callers may
-        run it on another thread so that tokenizing a long prompt stalls nothing."""
-        ids = self._prompt_tokens(prompt, prompt_token_ids, messages)
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                "prompt_too_long",
-                f"prompt has {len(ids)} tokens; this worker's limit is "
-                f"{self.max_model_len - 1} (context {self.max_model_len})",
-            )
-        return ids
+        """A request's input (exactly one of the three) validated and tokenized, and checked
+        to fit the context; ``InvalidRequest`` (``invalid_input``, ``empty_prompt``,
+        ``prompt_too_long``) otherwise.
 
-    def _prompt_tokens(
-        self,
-        prompt: str | None,
-        token_ids: list[int] | None,
-        messages: list[dict[str, Any]] | None,
-    ) -> list[int]:
-        given = [x is not None for x in (prompt, token_ids, messages)]
+        Thread-safe: it reads only what ``__init__`` set and never changes, so a caller can
+        tokenize big prompts on other threads (the tokenizer releases the GIL) while the
+        engine steps, then pass the ids to ``add_request``. Text too long for the context
+        whatever its tokens (see ``max_prompt_chars``) is refused without tokenizing it.
+        """
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
             raise InvalidRequest(
                 "invalid_input", "give exactly one of prompt, prompt_token_ids, messages"
@@ -157,7 +175,7 @@ class LLMEngine:
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise InvalidRequest("invalid_input", "prompt must be a string")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self._encode_text(prompt, add_special_tokens=True)
         elif messages is not None:
             if (
                 not isinstance(messages, list)
@@ -176,20 +194,51 @@ class LLMEngine:
             try:
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             except Exception as exc:  # the template's own raise_exception, bad roles
-                raise InvalidRequest("invalid_input", f"chat template failed: {exc}") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+                raise InvalidRequest(
+                    "invalid_input", f"chat template failed: {clip(str(exc))}"
+                ) from None
+            ids = self._encode_text(text, add_special_tokens=False)
         else:
             vocab = self.model_config.vocab_size
-            if not isinstance(token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids
+            if not isinstance(prompt_token_ids, list):
+                raise InvalidRequest("invalid_input", "prompt_token_ids must be a list")
+            if len(prompt_token_ids) >= self.max_model_len:  # before a pass over a huge list
+                raise self._too_long(f"{len(prompt_token_ids)} tokens")
+            if not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                for t in prompt_token_ids
             ):
                 raise InvalidRequest(
                     "invalid_input", f"prompt_token_ids must be a list of ids in [0, {vocab})"
                 )
-            ids = list(token_ids)
+            ids = list(prompt_token_ids)
         if not ids:
             raise InvalidRequest("empty_prompt", "the prompt has no tokens")
+        if len(ids) >= self.max_model_len:
+            raise self._too_long(f"{len(ids)} tokens")
         return ids
+
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise self._too_long(
+                f"{len(text)} characters, more than {self.max_model_len} tokens of this "
+                f"vocabulary can spell ({self.max_prompt_chars})"
+            )
+        if not text.isascii():
+            try:  # a lone surrogate ("\ud800" is valid JSON) is no UTF-8: no tokens for it
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequest(
+                    "invalid_input", f"the prompt is not valid text: {exc.reason} at {exc.start}"
+                ) from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _too_long(self, size: str) -> InvalidRequest:
+        return InvalidRequest(
+            "prompt_too_long",
+            f"prompt has {size}; this worker's limit is {self.max_model_len - 1} tokens "
+            f"(context {self.max_model_len})",
+        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; its blocks are free when this returns."""
@@ -236,41 +285,129 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One forward pass over what the scheduler picked, and the tokens it yields.
+
+        A request whose own processing raises (its forward pass, sampling its row,
+        detokenizing, stop checks) ends alone with finish reason ``error`` and a message in
+        ``RequestOutput.error``; every other request carries on with its normal tokens.
+        Raises ``StepFailed`` only when the forward pass fails for every request of a batch
+        of several, each run alone too: then no request has advanced.
+        """
         outputs = self._expire_deadlines()
         sched = self.scheduler.schedule()
         self.counters["preemptions"] += len(sched.preempted)
         if not sched.scheduled:
             return outputs
-        logits = self._forward(sched.scheduled)
-        sampling = [s for s in sched.scheduled if s.samples]
-        for s in sched.scheduled:
+        try:
+            logits = self._forward(sched.scheduled)
+        except Exception as exc:
+            return outputs + self._isolate(sched.scheduled, exc, outputs)
+        return outputs + self._complete(sched.scheduled, logits)
+
+    def _isolate(
+        self, batch: list[ScheduledSeq], exc: Exception, finished: list[RequestOutput]
+    ) -> list[RequestOutput]:
+        """The batched forward pass raised: find the request(s) it fails for, by bisection.
+
+        Nothing has advanced: ``schedule()`` only allocated blocks and admitted or preempted
+        requests, which stays valid for any part of the batch, and ``num_computed_tokens``
+        moves only after a successful pass (K/V a failed pass wrote lie beyond it, in blocks
+        no other request shares, and are overwritten). So each half of a failing group is
+        run again: a half that succeeds is completed as usual, a request that fails alone
+        ends with ``error``. Costs at most 2n - 1 passes, on the failing path only.
+        """
+        outputs: list[RequestOutput] = []
+        culprits: list[tuple[Sequence, Exception]] = []
+        failing = [(batch, exc)]
+        while failing:
+            group, error = failing.pop()
+            if len(group) == 1:
+                culprits.append((group[0].seq, error))
+                continue
+            mid = len(group) // 2
+            for half in (group[:mid], group[mid:]):
+                try:
+                    logits = self._forward(half)
+                except Exception as half_error:
+                    failing.append((half, half_error))
+                else:
+                    outputs += self._complete(half, logits)
+        if len(culprits) == len(batch) > 1:
+            raise StepFailed(
+                f"the forward pass failed for each of its {len(batch)} requests alone: "
+                f"{_describe(exc)}",
+                finished,
+            ) from exc
+        return outputs + [self._fail(seq, error) for seq, error in culprits]
+
+    def _complete(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> list[RequestOutput]:
+        """Book a successful forward pass, then take a token for each request that reached
+        the end of its known tokens. Each request's post-processing fails only itself."""
+        for s in scheduled:
             prev = s.seq.num_computed_tokens
             s.seq.num_computed_tokens = s.start + s.num_tokens
             self.block_manager.commit_full_blocks(s.seq, prev)
         self.counters["prompt_tokens"] += sum(
             max(0, min(s.start + s.num_tokens, s.seq.num_prompt_tokens) - s.start)
-            for s in sched.scheduled
+            for s in scheduled
         )
         self.counters["steps"] += 1
-        if not sampling:
-            return outputs
-        seqs = [s.seq for s in sampling]
-        results = sample(
-            logits,
-            [q.params for q in seqs],
-            [q.prompt_token_ids for q in seqs],
-            [q.output_token_ids for q in seqs],
-            [self._banned(q) for q in seqs],
-        )
-        for seq, result in zip(seqs, results, strict=True):
-            if seq.state is RequestState.PREFILLING:
-                seq.transition(RequestState.DECODING)
-            seq.append_token(result.token_id)
-            if result.logprobs is not None:
-                seq.logprobs.append(result.logprobs)
-            self.counters["generation_tokens"] += 1
-            outputs.append(self._advance(seq, result.token_id))
+        seqs = [s.seq for s in scheduled if s.samples]
+        outputs: list[RequestOutput] = []
+        for seq, result in zip(seqs, self._sample(seqs, logits), strict=True):
+            if isinstance(result, Exception):
+                outputs.append(self._fail(seq, result))
+                continue
+            try:
+                outputs.append(self._accept(seq, result))
+            except Exception as exc:
+                outputs.append(self._fail(seq, exc))
         return outputs
+
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> collections.abc.Sequence[SampleResult | Exception]:
+        """One token per request, batched; if that raises, row by row, so that a row that
+        cannot be sampled fails only its own request."""
+        if not seqs:
+            return []
+        try:
+            return sample(
+                logits,
+                [q.params for q in seqs],
+                [q.prompt_token_ids for q in seqs],
+                [q.output_token_ids for q in seqs],
+                [self._banned(q) for q in seqs],
+            )
+        except Exception:
+            return [self._sample_alone(q, logits[i : i + 1]) for i, q in enumerate(seqs)]
+
+    def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> SampleResult | Exception:
+        """This request's token, or the exception that sampling its row raised."""
+        try:
+            banned = self._banned(seq)
+            return sample(
+                logits, [seq.params], [seq.prompt_token_ids], [seq.output_token_ids], [banned]
+            )[0]
+        except Exception as exc:
+            return exc
+
+    def _accept(self, seq: Sequence, result: SampleResult) -> RequestOutput:
+        """Record a sampled token, then detokenize it and apply the stop rules."""
+        if seq.state is RequestState.PREFILLING:
+            seq.transition(RequestState.DECODING)
+        seq.append_token(result.token_id)
+        if result.logprobs is not None:
+            seq.logprobs.append(result.logprobs)
+        self.counters["generation_tokens"] += 1
+        return self._advance(seq, result.token_id)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """End one request whose own processing raised (no flush: the detokenizer may be
+        what raised); the step goes on without it."""
+        logger.warning("request %s failed", seq.request_id, exc_info=exc)
+        seq.error = _describe(exc)
+        return self._finish(seq, "error", RequestState.FAILED, flush=False)
 
     def _forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         bs = self.block_manager.block_size
@@ -330,9 +467,11 @@ class LLMEngine:
         p = seq.params
         seq.text += seq.detokenizer.push([token])
         reason = None
-        if token in self.eos_token_ids and not p.ignore_eos:
-            reason = "stop"
-        elif token in p.stop_token_ids:
+        # A stop token stops only past min_tokens. Before, the sampler bans them, unless the
+        # ban would have covered the whole vocabulary and was dropped.
+        if seq.num_output_tokens > p.min_tokens and (
+            (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        ):
             reason = "stop"
         if p.stop and reason is None:
             cut = self._find_stop(seq)
@@ -386,6 +525,7 @@ class LLMEngine:
             logprobs=logprobs,
             text=seq.text if finished else None,
             token_ids=list(seq.output_token_ids) if finished else None,
+            error=seq.error,
         )
 
     def _finish(
@@ -406,3 +546,8 @@ class LLMEngine:
         now = time.monotonic()
         late = [s for s in self.requests.values() if s.deadline is not None and now >= s.deadline]
         return [self._finish(s, "deadline", RequestState.CANCELLED) for s in late]
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as a short message for a client: its type and its (clipped) text."""
+    return clip(f"{type(exc).__name__}: {exc}")

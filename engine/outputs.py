@@ -26,7 +26,9 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     text: str | None = None  # the full text, set when finished
     token_ids: list[int] | None = None  # all generated ids, set when finished
-    error: str | None = None  # why, when finish_reason is "error"
+    # Why the request failed, when finish_reason is "error" (exception type and message,
+    # clipped); the other requests of its step were not affected.
+    error: str | None = None
 
 
 @dataclass

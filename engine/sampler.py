@@ -13,6 +13,9 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+_NEG_INF = float("-inf")
+_MAX_FLOAT = torch.finfo(torch.float32).max
+
 
 @dataclass
 class SampleResult:
@@ -43,8 +46,10 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p; the top one stays.
+        # Drop a token when the mass before it already reaches top_p; the top one always
+        # stays (a top_p below float32's smallest number compares as 0 and would drop it).
         drop = (probs.cumsum(-1) - probs) >= params.top_p
+        drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if params.min_p > 0.0:
         probs = logits.softmax(-1)
@@ -58,6 +63,70 @@ def _generator(seed: int | None, index: int) -> torch.Generator | None:
     g = torch.Generator()
     g.manual_seed((seed * 1_000_003 + index) & 0x7FFF_FFFF_FFFF_FFFF)
     return g
+
+
+def _ban_mask(banned: list[int], vocab: int) -> torch.Tensor | None:
+    """The tokens a row may not produce now, as a mask; ids the row does not have are
+    ignored. None when nothing is banned, and also when the ban would cover every token
+    (e.g. the whole vocabulary as ``stop_token_ids`` with ``min_tokens``): then the ban is
+    dropped for this row, since a row with nothing left to sample cannot honour it anyway."""
+    if not banned:
+        return None
+    ids = torch.tensor(banned, dtype=torch.long)
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[ids[(ids >= 0) & (ids < vocab)]] = True
+    return None if bool(mask.all()) else mask
+
+
+def _finite(row: torch.Tensor) -> torch.Tensor:
+    """NaN (from inf - inf, 0 * inf) becomes -inf, never a candidate; +inf (overflow of a big
+    logit by penalty, bias or a small temperature) becomes the largest float, still the top
+    candidate. Afterwards softmax is well defined as long as any entry is above -inf."""
+    return torch.nan_to_num(row, nan=_NEG_INF, posinf=_MAX_FLOAT, neginf=_NEG_INF)
+
+
+def _sample_row(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt: list[int],
+    output: list[int],
+    banned: list[int],
+) -> SampleResult:
+    """One token from one row, whatever the (valid) parameters: the adjusted logits are made
+    finite before anything ranks or samples them, and a row left with no candidate at all
+    falls back to the raw logits' best token that is not banned."""
+    p = params
+    raw = torch.log_softmax(logits, -1) if p.logprobs is not None else None
+    row = logits.clone()
+    if p.logit_bias:  # one indexed add: a bias on every token must not cost a Python loop
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+        inside = ids < row.numel()
+        row[ids[inside]] += bias[inside]
+    row = _apply_penalties(row, p, prompt, output)
+    ban = _ban_mask(banned, row.numel())
+    if ban is not None:
+        row.masked_fill_(ban, _NEG_INF)
+    row = _finite(row)
+    if not p.greedy:
+        row = _finite(row / p.temperature)
+    if bool(torch.isneginf(row).all()):
+        fallback = logits.nan_to_num(nan=_NEG_INF)
+        if ban is not None:
+            fallback = fallback.masked_fill(ban, _NEG_INF)
+        tok = int(fallback.argmax())
+    elif p.greedy:
+        tok = int(row.argmax())
+    else:
+        probs = _filter(row, p).softmax(-1)
+        g = _generator(p.seed, len(output))
+        tok = int(torch.multinomial(probs, 1, generator=g))
+    logprobs = None
+    if raw is not None:
+        top = torch.topk(raw, p.logprobs) if p.logprobs else None
+        logprobs = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
+        logprobs[tok] = float(raw[tok])
+    return SampleResult(tok, logprobs)
 
 
 def sample(
@@ -89,30 +158,6 @@ def sample(
         for i, tok in zip(plain, logits[plain].argmax(-1).tolist(), strict=True):
             results[i] = SampleResult(tok, None)
     for i, p in enumerate(params):
-        if results[i] is not None:
-            continue
-        row = logits[i]
-        logprobs = None
-        if p.logprobs is not None:
-            raw = torch.log_softmax(row, -1)
-        row = row.clone()
-        for tok, bias in p.logit_bias.items():
-            if 0 <= tok < row.numel():
-                row[tok] += bias
-        row = _apply_penalties(row, p, prompts[i], outputs[i])
-        if banned[i]:
-            row[torch.tensor(banned[i], dtype=torch.long)] = float("-inf")
-        if p.greedy:
-            tok = int(row.argmax())
-        else:
-            probs = _filter(row / p.temperature, p).softmax(-1)
-            g = _generator(p.seed, len(outputs[i]))
-            tok = int(torch.multinomial(probs, 1, generator=g))
-        if p.logprobs is not None:
-            top = torch.topk(raw, p.logprobs) if p.logprobs else None
-            logprobs = (
-                dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
-            )
-            logprobs[tok] = float(raw[tok])
-        results[i] = SampleResult(tok, logprobs)
+        if results[i] is None:
+            results[i] = _sample_row(logits[i], p, prompts[i], outputs[i], banned[i])
     return results  # type: ignore[return-value]

@@ -98,6 +98,7 @@ class Sequence:
     emitted_text_len: int = 0
     num_sent_tokens: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    error: str | None = None  # what made the engine fail this request, if it did
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

@@ -188,6 +188,8 @@ def test_bad_requests_are_refused_with_a_code(tiny_dir: Path):
         ({"prompt_token_ids": [10**9]}, "invalid_input"),
         ({"prompt": "hi", "prompt_token_ids": [1]}, "invalid_input"),
         ({"messages": [{"role": "user"}]}, "invalid_input"),
+        ({"prompt": "lone \ud800 surrogate"}, "invalid_input"),
+        ({"messages": [{"role": "user", "content": "\udfff"}]}, "invalid_input"),
         ({"prompt": "hi", "params": {"temperature": -2}}, "invalid_params"),
     ]
     for kwargs, code in cases:
@@ -245,3 +247,255 @@ def test_cpu_kernels_give_the_same_tokens_as_torch(tiny_dir: Path):
     engine = make_engine(tiny_dir, max_num_batched_tokens=24)
     assert (torch_engine.backend.name, engine.backend.name) == ("torch", "cpu")
     assert run(engine, reqs, params) == run(torch_engine, reqs, params)
+
+
+# -- at the door: what cannot run is refused by add_request, and fast ------------------------
+
+
+def run_all(engine: LLMEngine) -> dict:
+    """Every request to its end: no exception may escape a step; all blocks free after."""
+    done = run_to_end(engine)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return done
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_parameter(tiny_dir: Path):
+    engine = make_engine(tiny_dir)
+    vocab = engine.model_config.vocab_size
+    for params, name in [
+        ({"stop_token_ids": [1, vocab], "min_tokens": 2}, "stop_token_ids"),
+        ({"logit_bias": {str(vocab): 5}}, "logit_bias"),
+        ({"logit_bias": {10**18: 5}}, "logit_bias"),
+    ]:
+        with pytest.raises(InvalidRequest) as err:
+            engine.add_request("bad", prompt_token_ids=[1, 2], params=params)
+        assert err.value.code == "invalid_params"
+        assert err.value.message.startswith(f"{name}: token id ")
+    assert not engine.has_unfinished()
+
+
+def test_encode_prompt_gives_the_ids_add_request_queues(tiny_dir: Path):
+    engine = make_engine(tiny_dir)
+    chat = [{"role": "user", "content": "Hi there"}]
+    for kwargs in ({"prompt": "Hello, world"}, {"messages": chat}, {"prompt_token_ids": [5, 6]}):
+        ids = engine.encode_prompt(**kwargs)
+        engine.add_request("q", **kwargs, params=GREEDY)
+        assert engine.requests["q"].prompt_token_ids == ids
+        engine.abort("q")
+
+
+def test_text_too_long_for_the_context_is_refused_without_tokenizing_it(
+    tiny_dir: Path, monkeypatch
+):
+    import time
+
+    engine = make_engine(tiny_dir)
+    limit = engine.max_prompt_chars
+    assert limit == engine.max_model_len * engine.tokenizer.max_token_chars()
+
+    def encode(*args, **kwargs):
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+    monkeypatch.setattr(engine.tokenizer, "encode", encode)
+    huge = "a" * 10_000_000
+    for kwargs in ({"prompt": huge}, {"messages": [{"role": "user", "content": huge}]}):
+        start = time.perf_counter()
+        with pytest.raises(InvalidRequest) as err:
+            engine.encode_prompt(**kwargs)
+        assert err.value.code == "prompt_too_long"
+        assert time.perf_counter() - start < 1.0  # tokenizing it takes seconds
+    with pytest.raises(InvalidRequest) as err:
+        engine.encode_prompt(prompt="a" * (limit + 1))
+    assert err.value.code == "prompt_too_long"
+    monkeypatch.undo()  # at the bound it is tokenized, and refused for its token count
+    with pytest.raises(InvalidRequest) as err:
+        engine.encode_prompt(prompt="a" * limit)
+    assert err.value.code == "prompt_too_long" and "tokens;" in err.value.message
+
+
+def test_encode_prompt_from_other_threads_while_the_engine_steps(tiny_dir: Path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = make_engine(tiny_dir)
+    texts = [f"request {i}: " + "some words and 123 numbers " * 200 for i in range(8)]
+    expected = [engine.encode_prompt(prompt=t) for t in texts]
+    for i, p in enumerate(prompts(4)):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=GREEDY)
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(engine.encode_prompt, t) for t in texts]
+        run_all(engine)
+        assert [f.result() for f in futures] == expected
+
+
+# -- one poison request never breaks its step or its neighbours --------------------------------
+
+POISON = 49151  # a valid token id that only poison prompts carry (innocent ids are < 40000)
+
+
+def alone_tokens(model: Path, reqs: list[list[int]]) -> list[list[int]]:
+    """What each request generates on an engine of its own (greedy)."""
+    engine = make_engine(model)
+    return [run(engine, [p])["r0"] for p in reqs]
+
+
+def add_beside(engine: LLMEngine, reqs: list[list[int]], poison: list[int]) -> None:
+    """The poison request first, then the innocent ones: all in the same first step."""
+    engine.add_request("poison", prompt_token_ids=poison, params=GREEDY)
+    for i, p in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=GREEDY)
+
+
+def assert_only_the_poison_failed(done: dict, alone: list[list[int]], error: str) -> None:
+    assert done["poison"].finish_reason == "error"
+    assert done["poison"].error.startswith(error)
+    for i, tokens in enumerate(alone):
+        out = done[f"r{i}"]
+        assert (out.finish_reason, out.error, out.token_ids) == ("length", None, tokens)
+
+
+def fail_forward_when(engine: LLMEngine, monkeypatch, fails) -> None:
+    forward = engine.model.forward
+
+    def poisoned(input_ids, positions, *rest):
+        if fails(input_ids, positions):
+            raise RuntimeError("poisoned batch")
+        return forward(input_ids, positions, *rest)
+
+    monkeypatch.setattr(engine.model, "forward", poisoned)
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_a_request_whose_forward_pass_raises_fails_alone(tiny_dir: Path, monkeypatch, when: str):
+    reqs = prompts(5)
+    alone = alone_tokens(tiny_dir, reqs)
+    engine = make_engine(tiny_dir)
+    poison = prompts(1, (95,))[0]
+    if when == "prefill":  # the batch fails whenever the poison prompt is in it
+        poison[3] = POISON
+        fail_forward_when(engine, monkeypatch, lambda ids, pos: bool((ids == POISON).any()))
+    else:  # only the poison request ever reaches position 100, mid-generation
+        fail_forward_when(engine, monkeypatch, lambda ids, pos: bool((pos >= 100).any()))
+    add_beside(engine, reqs, poison)
+    done = run_all(engine)
+    assert_only_the_poison_failed(done, alone, "RuntimeError: poisoned batch")
+    # Decode: the 6th generated token sits at position 100; feeding it is what fails.
+    assert done["poison"].completion_tokens == (0 if when == "prefill" else 6)
+
+
+@pytest.mark.parametrize("stage", ["sampling", "detokenizing"])
+def test_a_request_whose_token_processing_raises_fails_alone(
+    tiny_dir: Path, monkeypatch, stage: str
+):
+    from engine import llm_engine
+
+    reqs = prompts(5)
+    alone = alone_tokens(tiny_dir, reqs)
+    engine = make_engine(tiny_dir)
+    add_beside(engine, reqs, [300, POISON, 301])
+    if stage == "sampling":
+        real_sample = llm_engine.sample
+
+        def sample(logits, params, prompts_, *rest):
+            if any(POISON in p for p in prompts_):
+                raise ValueError("no token for this row")
+            return real_sample(logits, params, prompts_, *rest)
+
+        monkeypatch.setattr(llm_engine, "sample", sample)
+        error, tokens = "ValueError: no token for this row", 0
+    else:  # the third token of the poison request cannot be decoded
+        detokenizer = engine.requests["poison"].detokenizer
+        real_push, pushed = detokenizer.push, []
+
+        def push(ids):
+            pushed.append(ids)
+            if len(pushed) == 3:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+            return real_push(ids)
+
+        monkeypatch.setattr(detokenizer, "push", push)
+        error, tokens = "UnicodeDecodeError: 'utf-8' codec", 3
+    done = run_all(engine)
+    assert_only_the_poison_failed(done, alone, error)
+    assert done["poison"].completion_tokens == tokens
+
+
+def test_a_forward_pass_failing_for_everyone_raises_step_failed_and_a_retry_is_correct(
+    tiny_dir: Path, monkeypatch
+):
+    import time
+
+    from engine import StepFailed
+
+    reqs = prompts(3)
+    alone = alone_tokens(tiny_dir, reqs)
+    engine = make_engine(tiny_dir)
+    for i, p in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=GREEDY)
+    first = {out.request_id: out.new_token_ids for out in engine.step()}
+    late = time.monotonic() - 1
+    engine.add_request("late", prompt_token_ids=reqs[0], params=GREEDY, deadline=late)
+    fail_forward_when(engine, monkeypatch, lambda ids, pos: True)  # out of memory, say
+    with pytest.raises(StepFailed) as err:
+        engine.step()
+    assert isinstance(err.value.__cause__, RuntimeError)
+    # Nothing advanced, nobody blamed; what the step did finish is handed over.
+    assert [(o.request_id, o.finish_reason) for o in err.value.outputs] == [("late", "deadline")]
+    for i, p in enumerate(reqs):
+        seq = engine.requests[f"r{i}"]
+        assert (seq.num_computed_tokens, seq.output_token_ids) == (len(p), first[f"r{i}"])
+    monkeypatch.undo()  # the device recovers: the same requests go on exactly as before
+    done = run_all(engine)
+    assert [done[f"r{i}"].token_ids for i in range(3)] == alone
+
+
+def test_after_step_failed_aborting_everything_frees_the_whole_kv_pool(tiny_dir: Path, monkeypatch):
+    from engine import StepFailed
+
+    engine = make_engine(tiny_dir, max_num_batched_tokens=40)  # some prefills still chunked
+    for i, p in enumerate(prompts(6)):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=GREEDY)
+    engine.step()
+    fail_forward_when(engine, monkeypatch, lambda ids, pos: True)
+    with pytest.raises(StepFailed):
+        engine.step()
+    for request_id in list(engine.requests):
+        assert engine.abort(request_id).finish_reason == "cancelled"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_unfinished() and not engine.scheduler.has_work()
+
+
+def test_a_lone_request_whose_forward_pass_raises_ends_with_error(tiny_dir: Path, monkeypatch):
+    # With nothing to compare it against, a lone request cannot be told from a broken
+    # device; it is failed rather than retried forever.
+    engine = make_engine(tiny_dir)
+    fail_forward_when(engine, monkeypatch, lambda ids, pos: True)
+    engine.add_request("only", prompt_token_ids=prompts(1)[0], params=GREEDY)
+    (out,) = engine.step()
+    assert (out.finish_reason, out.error) == ("error", "RuntimeError: poisoned batch")
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_extreme_but_valid_parameters_run_beside_ordinary_requests(tiny_dir: Path):
+    reqs = prompts(4)
+    alone = alone_tokens(tiny_dir, reqs)
+    engine = make_engine(tiny_dir)
+    vocab = engine.model_config.vocab_size
+    extremes = [
+        {"stop_token_ids": list(range(vocab)), "min_tokens": 4},  # every token stops
+        {"temperature": 1e-300, "repetition_penalty": 0.01, "seed": 2**63 - 1},
+        {"temperature": 100.0, "top_p": 5e-324, "min_p": 1.0, "frequency_penalty": -2.0},
+        {"logit_bias": {str(t): 100 for t in range(0, vocab, 97)}, "presence_penalty": 2.0},
+        {"logit_bias": {t: -100 for t in range(vocab)}, "logprobs": 20, "seed": -(2**63)},
+    ]
+    for i, extra in enumerate(extremes):
+        params = {"max_tokens": 12, "ignore_eos": True, **extra}
+        engine.add_request(f"x{i}", prompt_token_ids=reqs[i % 4], params=params)
+    for i, p in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=GREEDY)
+    done = run_all(engine)
+    for i in range(len(extremes)):
+        assert done[f"x{i}"].error is None
+        assert all(0 <= t < vocab for t in done[f"x{i}"].token_ids)
+    # min_tokens holds even though its ban (the whole vocabulary) had to be dropped.
+    assert (done["x0"].finish_reason, done["x0"].completion_tokens) == ("stop", 5)
+    assert [done[f"r{i}"].token_ids for i in range(4)] == alone

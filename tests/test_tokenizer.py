@@ -316,3 +316,43 @@ def test_decoding_window_stays_small(tok: Tokenizer) -> None:
     detok = IncrementalDetokenizer(counting, prompt_token_ids=list(range(100, 400)))
     assert "".join(stream(detok, ids)) == tok.decode(ids)
     assert len(ids) > 500 and counting.longest <= 12
+
+
+def test_encode_gives_the_ids_of_the_backends_own_encode(tok: Tokenizer) -> None:
+    # Tokenizer.encode goes through encode_batch (it releases the GIL); same ids.
+    for text in TEXTS + WHITESPACE_BEFORE_DIGITS:
+        for specials in (False, True):
+            want = tok.backend.encode(text, add_special_tokens=specials).ids
+            assert tok.encode(text, add_special_tokens=specials) == want
+
+
+def test_max_token_chars_bounds_every_token_of_a_byte_level_vocabulary(tok: Tokenizer) -> None:
+    bound = tok.max_token_chars()
+    vocab = tok.backend.get_vocab(with_added_tokens=True)
+    assert bound == max(len(t) for t in vocab)
+    text = "".join(TEXTS) + "Ġ" * 500 + " " * 500 + "\n" * 500
+    assert len(text) <= bound * len(tok.encode(text))
+
+
+def test_max_token_chars_is_none_where_text_can_vanish_before_tokens(tok: Tokenizer) -> None:
+    import tokenizers
+    from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
+
+    def variant() -> tokenizers.Tokenizer:
+        return tokenizers.Tokenizer.from_str(tok.backend.to_str())
+
+    nfc = variant()  # NFC composes characters: fewer of them than the client sent
+    nfc.normalizer = normalizers.NFC()
+    removing = variant()  # a pre-tokenizer that drops what it splits on
+    removing.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(" ", behavior="removed"), pre_tokenizers.ByteLevel()]
+    )
+    stripping = variant()  # an added token that swallows the spaces before it
+    stripping.add_tokens([AddedToken("<sep>", lstrip=True)])
+    for backend in (nfc, removing, stripping):
+        assert Tokenizer(backend).max_token_chars() is None
+    isolating = variant()  # Llama 3's kind of split keeps every character: the bound holds
+    isolating.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r"\s+"), behavior="isolated"), pre_tokenizers.ByteLevel()]
+    )
+    assert Tokenizer(isolating).max_token_chars() == tok.max_token_chars()
