@@ -438,3 +438,57 @@ def test_a_dead_workers_job_is_reclaimed_within_about_the_claim_time(
     assert taken < 1.6 * claim_ms / 1000, taken
     assert conn.xlen(keys.dead) == 0
     client.close()
+
+
+def test_a_poison_job_fails_alone_and_its_batch_neighbours_finish(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job that breaks the forward pass is isolated and dead-lettered; so are parameters
+    that used to crash the sampler. The eight jobs batched with them all finish."""
+    client = Client(redis_url, namespace=redis_namespace)
+    conn, keys = client.redis, client.keys
+    conn.xgroup_create(keys.jobs, GROUP, id="0", mkstream=True)
+    run = Run.submit(client, 8, 40)
+    poison_token = 4242
+    vocab = 49152
+    poison = client.submit(prompt_token_ids=[300, poison_token, 301], max_tokens=8, **GREEDY)
+    # Sent raw, past the client's checks: what once passed validation and broke a step.
+    raw = {
+        "stop-beyond-vocab": {"stop_token_ids": [vocab + 5], "min_tokens": 2},
+        "tiny-penalty": {"repetition_penalty": 1e-300},
+        "every-id-a-stop": {"stop_token_ids": list(range(vocab)), "min_tokens": 2},
+        "infinite-bias-key": {"logit_bias": {float("inf"): 1.0}},
+        "nan-temperature": {"temperature": float("nan")},
+    }
+    for jid, params in raw.items():
+        payload = {"prompt": "x", "params": {"max_tokens": 4, **params}}
+        conn.xadd(keys.jobs, {"v": "1", "id": jid, "data": pack(payload)})
+    tiny_temperature = client.submit("x", temperature=1e-300, max_tokens=6, seed=1)
+
+    engine = make_engine(tiny_model)
+    forward = engine.model.forward
+
+    def poisoned(input_ids: Any, positions: Any, *rest: Any) -> Any:
+        if bool((input_ids == poison_token).any()):
+            raise RuntimeError("poisoned batch")
+        return forward(input_ids, positions, *rest)
+
+    monkeypatch.setattr(engine.model, "forward", poisoned)
+    runner = WorkerThread(Worker(engine, conn, fast_config(redis_namespace)))
+    with runner:
+        wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
+        (error,) = poison.stream(timeout=30)
+        assert isinstance(error, ErrorEvent) and error.code == "internal_error"
+        assert "poisoned batch" in error.message
+        for jid in raw:
+            (error,) = client.job(jid).stream(timeout=30)
+            assert isinstance(error, ErrorEvent) and error.code == "invalid_params", jid
+        assert tiny_temperature.result(timeout=30).usage.completion_tokens == 6
+        assert runner.alive()
+    run.check(tiny_model)
+    dead = sorted(d["job_id"].decode() for d in dead_letters(conn, keys))
+    assert dead == sorted([poison.id, *raw])
+    client.close()

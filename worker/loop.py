@@ -529,10 +529,14 @@ class Worker:
     def _step(self) -> bool:
         try:
             outputs = self.engine.step()
-        except StepFailed:
+        except StepFailed as exc:
             # Every job of the step failed even alone: the device, not a job, is broken.
+            # What the step finished before failing (deadlines) still goes out.
             self._step_failures += 1
             self.log.exception("engine step failed", consecutive=self._step_failures)
+            for out in exc.outputs:
+                self._collect(out)
+            self._redis(self._publish)
             self._redis(self._hand_back)
             if self._step_failures >= self.config.max_step_failures:
                 raise
