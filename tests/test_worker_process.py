@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import redis
 
 from producer.client import Client, Job, make_request
 from producer.protocol import TokenEvent, decode_event
+from tests.faults import WorkerProcess
 from tests.test_worker_support import (
     WorkerThread,
     check_reply,
@@ -31,33 +30,11 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 CLAIM_IDLE_MS = 1000
 
 
-class WorkerProcess:
-    """`tokenq worker` in a subprocess; its log goes to a file (a pipe nobody reads could
-    fill up and block the worker)."""
-
-    def __init__(self, model: Path, url: str, namespace: str, grace: float, log: Path) -> None:
-        cmd = [
-            sys.executable, "-m", "producer.cli", "worker",
-            "--model", str(model), "--device", "cpu", "--dtype", "float32",
-            "--num-kv-blocks", "512", "--max-num-seqs", "8", "--num-threads", "1",
-            "--redis-url", url, "--namespace", namespace, "--consumer", "proc",
-            "--claim-idle-ms", str(CLAIM_IDLE_MS), "--grace-period", str(grace),
-            "--metrics-interval", "0.5",
-        ]  # fmt: skip
-        self.log = log
-        with log.open("w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_clean_exit(self, timeout: float) -> None:
-        assert self.proc.wait(timeout=timeout) == 0, self.log.read_text()[-3000:]
-
-    def __enter__(self) -> WorkerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
+def worker_process(
+    model: Path, url: str, namespace: str, tmp_path: Path, grace: float
+) -> WorkerProcess:
+    extra = ["--claim-idle-ms", str(CLAIM_IDLE_MS), "--grace-period", str(grace)]
+    return WorkerProcess(model, url, namespace, tmp_path / "w.log", extra=extra)
 
 
 def tokens_so_far(conn: redis.Redis, client: Client, job: Job) -> int:
@@ -81,7 +58,9 @@ def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(
     client = Client(redis_url, namespace=redis_namespace)
     conn = client.redis
     jobs, _ = submit(client, 3, 300)
-    with WorkerProcess(tiny_model, redis_url, redis_namespace, 60, tmp_path / "w.log") as worker:
+    with WorkerProcess(
+        tiny_model, redis_url, redis_namespace, tmp_path / "w.log", extra=proc_args(60)
+    ) as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
         worker.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # let the handler run before anything new arrives
@@ -105,7 +84,9 @@ def test_sigterm_past_the_grace_leaves_jobs_for_another_worker(
     client = Client(redis_url, namespace=redis_namespace)
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
-    with WorkerProcess(tiny_model, redis_url, redis_namespace, 0, tmp_path / "w.log") as worker:
+    with WorkerProcess(
+        tiny_model, redis_url, redis_namespace, tmp_path / "w.log", extra=proc_args(0)
+    ) as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
         worker.proc.send_signal(signal.SIGTERM)
         worker.wait_clean_exit(timeout=30)
@@ -126,7 +107,9 @@ def test_a_killed_worker_loses_no_job_and_duplicates_no_token(
     client = Client(redis_url, namespace=redis_namespace)
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
-    with WorkerProcess(tiny_model, redis_url, redis_namespace, 30, tmp_path / "w.log") as worker:
+    with WorkerProcess(
+        tiny_model, redis_url, redis_namespace, tmp_path / "w.log", extra=proc_args(30)
+    ) as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
         worker.proc.kill()
         worker.proc.wait(timeout=30)
