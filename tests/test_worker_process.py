@@ -58,9 +58,7 @@ def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(
     client = Client(redis_url, namespace=redis_namespace)
     conn = client.redis
     jobs, _ = submit(client, 3, 300)
-    with WorkerProcess(
-        tiny_model, redis_url, redis_namespace, tmp_path / "w.log", extra=proc_args(60)
-    ) as worker:
+    with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 60) as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
         worker.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # let the handler run before anything new arrives
@@ -84,9 +82,7 @@ def test_sigterm_past_the_grace_leaves_jobs_for_another_worker(
     client = Client(redis_url, namespace=redis_namespace)
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
-    with WorkerProcess(
-        tiny_model, redis_url, redis_namespace, tmp_path / "w.log", extra=proc_args(0)
-    ) as worker:
+    with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 0) as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
         worker.proc.send_signal(signal.SIGTERM)
         worker.wait_clean_exit(timeout=30)
@@ -107,9 +103,7 @@ def test_a_killed_worker_loses_no_job_and_duplicates_no_token(
     client = Client(redis_url, namespace=redis_namespace)
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
-    with WorkerProcess(
-        tiny_model, redis_url, redis_namespace, tmp_path / "w.log", extra=proc_args(30)
-    ) as worker:
+    with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 30) as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
         worker.proc.kill()
         worker.proc.wait(timeout=30)
