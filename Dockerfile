@@ -16,9 +16,10 @@ COPY engine engine
 COPY kernels kernels
 COPY producer producer
 COPY worker worker
+COPY tokenq tokenq
 RUN pip install '.[worker]'
 # The default model is baked into the image: workers never download at run time.
-RUN python -m engine.models fetch smollm2-135m
+RUN python -m tokenq.engine.models fetch smollm2-135m
 
 ENTRYPOINT ["tokenq"]
 CMD ["worker"]

@@ -1,6 +1,6 @@
 """The inference engine: model, paged KV pool, scheduler, sampler. No Redis in here.
 
-Names are imported on first use, so ``python -m engine.models`` (run before anything
+Names are imported on first use, so ``python -m tokenq.engine.models`` (run before anything
 heavy is needed) does not load the whole engine.
 """
 
@@ -10,17 +10,17 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "EngineConfig": "engine.config",
-    "ModelConfig": "engine.config",
-    "EngineStats": "engine.outputs",
-    "RequestOutput": "engine.outputs",
-    "InvalidRequest": "engine.errors",
-    "InvalidTransition": "engine.errors",
-    "StepFailed": "engine.errors",
-    "LLMEngine": "engine.llm_engine",
-    "RequestState": "engine.sequence",
-    "SamplingParams": "engine.sampling_params",
+    "LLM": "tokenq.engine.llm",
+    "EngineConfig": "tokenq.engine.config",
+    "ModelConfig": "tokenq.engine.config",
+    "EngineStats": "tokenq.engine.outputs",
+    "RequestOutput": "tokenq.engine.outputs",
+    "InvalidRequest": "tokenq.engine.errors",
+    "InvalidTransition": "tokenq.engine.errors",
+    "StepFailed": "tokenq.engine.errors",
+    "LLMEngine": "tokenq.engine.llm_engine",
+    "RequestState": "tokenq.engine.sequence",
+    "SamplingParams": "tokenq.engine.sampling_params",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels import cpu_ops
-from kernels.reference import TorchAttentionPlan, paged_attention_torch, plan_attention_torch
+from tokenq.kernels import cpu_ops
+from tokenq.kernels.reference import TorchAttentionPlan, paged_attention_torch, plan_attention_torch
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -48,8 +47,8 @@ class AttentionBackend:
             raise RuntimeError("attention backend 'cpu' needs the C kernels, which did not build")
         self._triton = None
         if self.name == "triton":
-            from kernels.kv_write import write_kv_triton
-            from kernels.paged_attention import paged_attention_triton
+            from tokenq.kernels.kv_write import write_kv_triton
+            from tokenq.kernels.paged_attention import paged_attention_triton
 
             self._triton = (write_kv_triton, paged_attention_triton)
 

@@ -15,11 +15,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from engine.config import EngineConfig
-from engine.hf_reference import build_hf_model, greedy_config
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tokenq.engine.config import EngineConfig
+from tokenq.engine.hf_reference import build_hf_model, greedy_config
+from tokenq.engine.llm import LLM
+from tokenq.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     workloads = [makers[w.strip().upper()]() for w in args.workloads.split(",")]
     hf = None
     if not args.no_hf:
-        from engine.loader import load_checkpoint, resolve_model
+        from tokenq.engine.loader import load_checkpoint, resolve_model
 
         model_cfg, weights = load_checkpoint(resolve_model(args.model), eng.dtype)
         hf = build_hf_model(model_cfg, weights, eng.dtype).to(eng.device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence
+from tokenq.engine.sequence import Sequence
 
 
 @dataclass

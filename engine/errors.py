@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.outputs import RequestOutput
+    from tokenq.engine.outputs import RequestOutput
 
 # How much of a client's value an error message may quote: enough to recognise it, never
 # enough to turn a 10 MB parameter into a 10 MB error reply and log line.

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from engine.config import ModelConfig
+from tokenq.engine.config import ModelConfig
 
 
 def build_hf_model(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from tokenq.engine.config import EngineConfig
+from tokenq.engine.llm_engine import LLMEngine
+from tokenq.engine.outputs import RequestOutput
+from tokenq.engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -15,19 +15,18 @@ from collections import Counter
 from typing import Any
 
 import torch
-
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.errors import InvalidRequest, StepFailed, clip
-from engine.loader import load_checkpoint, resolve_model
-from engine.model import LlamaModel
-from engine.outputs import EngineStats, RequestOutput
-from engine.sampler import SampleResult, sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import RequestMetrics, RequestState, Sequence
-from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from tokenq.engine.attention import AttentionBackend, AttentionMetadata
+from tokenq.engine.block_manager import BlockManager
+from tokenq.engine.config import EngineConfig
+from tokenq.engine.errors import InvalidRequest, StepFailed, clip
+from tokenq.engine.loader import load_checkpoint, resolve_model
+from tokenq.engine.model import LlamaModel
+from tokenq.engine.outputs import EngineStats, RequestOutput
+from tokenq.engine.sampler import SampleResult, sample
+from tokenq.engine.sampling_params import SamplingParams
+from tokenq.engine.scheduler import ScheduledSeq, Scheduler
+from tokenq.engine.sequence import RequestMetrics, RequestState, Sequence
+from tokenq.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from engine import models
-from engine.config import ModelConfig
+from tokenq.engine import models
+from tokenq.engine.config import ModelConfig
 
 GGUF_SUFFIX = ".gguf"
 

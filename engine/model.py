@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
-from kernels import cpu_ops
+from tokenq.engine.attention import AttentionBackend, AttentionMetadata
+from tokenq.engine.config import ModelConfig
+from tokenq.kernels import cpu_ops
 
 
 class Linear:

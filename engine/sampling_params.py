@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import InvalidRequest, clip
+from tokenq.engine.errors import InvalidRequest, clip
 
 # vLLM's _MAX_TEMP: a positive temperature below this is raised to it (as vLLM does), since
 # dividing logits by less only overflows them while sampling is already all but greedy.

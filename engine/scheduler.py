@@ -15,8 +15,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import RequestState, Sequence
+from tokenq.engine.block_manager import BlockManager
+from tokenq.engine.sequence import RequestState, Sequence
 
 
 @dataclass

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from engine.errors import InvalidTransition
-from engine.sampling_params import SamplingParams
+from tokenq.engine.errors import InvalidTransition
+from tokenq.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.tokenizer import IncrementalDetokenizer
+    from tokenq.engine.tokenizer import IncrementalDetokenizer
 
 
 class RequestState(Enum):

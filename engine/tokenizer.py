@@ -221,7 +221,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata."""
-        from engine.loader import gguf_eos_token_ids, read_gguf_metadata
+        from tokenq.engine.loader import gguf_eos_token_ids, read_gguf_metadata
 
         meta = read_gguf_metadata(path)
         return cls.from_gguf_metadata(meta, eos_token_ids=gguf_eos_token_ids(meta))

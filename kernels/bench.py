@@ -2,7 +2,7 @@
 
 Decode attention reads every cached K/V byte once and does little arithmetic, so the figure
 of merit is K/V bytes read per second against what the same device reaches on a plain
-``copy_``. Run with ``python -m kernels.bench`` on a CUDA machine.
+``copy_``. Run with ``python -m tokenq.kernels.bench`` on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ from __future__ import annotations
 import sys
 
 import torch
+from tokenq.kernels.paged_attention import choose_num_splits, paged_attention_triton
+from tokenq.kernels.reference import paged_attention_torch
 from triton.testing import do_bench
 
-from kernels.paged_attention import choose_num_splits, paged_attention_triton
-from kernels.reference import paged_attention_torch
-
 _COPY_BYTES = 1 << 30
-_NO_CUDA = "kernels.bench needs a CUDA device: the Triton kernels are GPU-only"
+_NO_CUDA = "tokenq.kernels.bench needs a CUDA device: the Triton kernels are GPU-only"
 
 
 def _time_ms(fn) -> float:

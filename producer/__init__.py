@@ -1,8 +1,8 @@
 """The client side of tokenq: submit jobs, read replies. Needs redis and msgpack, no torch."""
 
-from producer.client import AsyncClient, AsyncJob, Client, ClientConfig, Job, make_request
-from producer.errors import ClientClosed, JobFailed, QueueFull, RedisUnavailable
-from producer.protocol import (
+from tokenq.producer.client import AsyncClient, AsyncJob, Client, ClientConfig, Job, make_request
+from tokenq.producer.errors import ClientClosed, JobFailed, QueueFull, RedisUnavailable
+from tokenq.producer.protocol import (
     DoneEvent,
     ErrorEvent,
     Event,

@@ -16,9 +16,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from producer.client import DEFAULT_REDIS_URL, Client
-from producer.errors import JobFailed, QueueFull
-from producer.protocol import DEFAULT_NAMESPACE, DoneEvent, ErrorEvent, RestartEvent, TokenEvent
+from tokenq.producer.client import DEFAULT_REDIS_URL, Client
+from tokenq.producer.errors import JobFailed, QueueFull
+from tokenq.producer.protocol import (
+    DEFAULT_NAMESPACE,
+    DoneEvent,
+    ErrorEvent,
+    RestartEvent,
+    TokenEvent,
+)
 
 EXIT_JOB_FAILED, EXIT_QUEUE_FULL, EXIT_TIMEOUT = 1, 3, 4
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -144,28 +150,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from worker.main import run_worker
+    from tokenq.worker.main import run_worker
 
     return run_worker(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from worker.demo import run_demo
+    from tokenq.worker.demo import run_demo
 
     return run_demo(model=args.model, max_tokens=args.max_tokens)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.target == "engine":
-        from engine.bench import main as bench_engine
+        from tokenq.engine.bench import main as bench_engine
 
         bench_engine(args.args)
     elif args.target == "kernels":
-        from kernels.bench import run_kernel_bench
+        from tokenq.kernels.bench import run_kernel_bench
 
         run_kernel_bench()
     else:
-        from worker.bench_queue import main as bench_queue
+        from tokenq.worker.bench_queue import main as bench_queue
 
         bench_queue(args.args)
     return 0

@@ -30,9 +30,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-
-from producer.errors import ClientClosed, JobFailed, QueueFull, RedisUnavailable
-from producer.protocol import (
+from tokenq.producer.errors import ClientClosed, JobFailed, QueueFull, RedisUnavailable
+from tokenq.producer.protocol import (
     DEFAULT_LIMITS,
     DEFAULT_NAMESPACE,
     TERMINAL_EVENTS,

@@ -9,11 +9,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-
-from engine.config import ModelConfig
-from engine.loader import expected_weight_shapes
-from engine.models import ensure_model
-from engine.tokenizer import Tokenizer, load_tokenizer
+from tokenq.engine.config import ModelConfig
+from tokenq.engine.loader import expected_weight_shapes
+from tokenq.engine.models import ensure_model
+from tokenq.engine.tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from tokenq.engine.block_manager import BlockManager
+from tokenq.engine.sampling_params import SamplingParams
+from tokenq.engine.sequence import Sequence
 
 BLOCK = 4
 NUM_BLOCKS = 12

@@ -16,10 +16,9 @@ import fakeredis
 import fakeredis.aioredis
 import pytest
 import redis
-
-from producer.client import AsyncClient, Client, make_request
-from producer.errors import ClientClosed, JobFailed, QueueFull
-from producer.protocol import (
+from tokenq.producer.client import AsyncClient, Client, make_request
+from tokenq.producer.errors import ClientClosed, JobFailed, QueueFull
+from tokenq.producer.protocol import (
     DoneEvent,
     ErrorEvent,
     Keys,
@@ -220,8 +219,9 @@ def test_producer_and_submit_need_no_torch(redis_url: str, redis_namespace: str)
                     raise ImportError("torch is blocked in this test")
 
         sys.meta_path.insert(0, NoTorch())
-        import producer, producer.client, producer.protocol, producer.cli
-        code = producer.cli.main(["submit", "hello", "--no-wait", "--job-id", "nt",
+        import tokenq, tokenq.producer.client, tokenq.producer.protocol, tokenq.producer.cli
+        from tokenq import AsyncClient, Client, JobFailed, QueueFull
+        code = tokenq.producer.cli.main(["submit", "hello", "--no-wait", "--job-id", "nt",
                                   "--redis-url", "{redis_url}", "--namespace", "{redis_namespace}"])
         assert code == 0
         assert "torch" not in sys.modules
@@ -238,7 +238,7 @@ def test_producer_and_submit_need_no_torch(redis_url: str, redis_namespace: str)
 
 
 def test_every_cli_option_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from producer.cli import build_parser, engine_kwargs, parse_size
+    from tokenq.producer.cli import build_parser, engine_kwargs, parse_size
 
     monkeypatch.setenv("TOKENQ_MAX_NUM_SEQS", "3")
     monkeypatch.setenv("TOKENQ_KV_CACHE_MEMORY", "2GiB")

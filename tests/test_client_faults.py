@@ -18,10 +18,10 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from tokenq.producer.client import AsyncClient, Client, ClientConfig
+from tokenq.producer.errors import RedisUnavailable
+from tokenq.producer.protocol import DoneEvent, Event, Keys, TokenEvent, encode_event
 
-from producer.client import AsyncClient, Client, ClientConfig
-from producer.errors import RedisUnavailable
-from producer.protocol import DoneEvent, Event, Keys, TokenEvent, encode_event
 from tests.faults import RedisServer, TcpProxy
 
 NS = "t"

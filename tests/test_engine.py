@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenq.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
+from tokenq.engine.hf_reference import build_hf_model, greedy_config
+from tokenq.engine.loader import load_checkpoint
+from tokenq.kernels import cpu_ops
 
-from engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
-from engine.hf_reference import build_hf_model, greedy_config
-from engine.loader import load_checkpoint
-from kernels import cpu_ops
 from tests.helpers import make_tiny_llama_dir
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12)
@@ -386,7 +386,7 @@ def test_a_request_whose_forward_pass_raises_fails_alone(tiny_dir: Path, monkeyp
 def test_a_request_whose_token_processing_raises_fails_alone(
     tiny_dir: Path, monkeypatch, stage: str
 ):
-    from engine import llm_engine
+    from tokenq.engine import llm_engine
 
     reqs = prompts(5)
     alone = alone_tokens(tiny_dir, reqs)
@@ -424,7 +424,7 @@ def test_a_forward_pass_failing_for_everyone_raises_step_failed_and_a_retry_is_c
 ):
     import time
 
-    from engine import StepFailed
+    from tokenq.engine import StepFailed
 
     reqs = prompts(3)
     alone = alone_tokens(tiny_dir, reqs)
@@ -449,7 +449,7 @@ def test_a_forward_pass_failing_for_everyone_raises_step_failed_and_a_retry_is_c
 
 
 def test_after_step_failed_aborting_everything_frees_the_whole_kv_pool(tiny_dir: Path, monkeypatch):
-    from engine import StepFailed
+    from tokenq.engine import StepFailed
 
     engine = make_engine(tiny_dir, max_num_batched_tokens=40)  # some prefills still chunked
     for i, p in enumerate(prompts(6)):

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 import redis
+from tokenq.producer.client import Client, Job, make_request
+from tokenq.producer.protocol import GROUP, ErrorEvent, Keys, TokenEvent, decode_event, pack, unpack
+from tokenq.worker.loop import Worker
 
-from producer.client import Client, Job, make_request
-from producer.protocol import GROUP, ErrorEvent, Keys, TokenEvent, decode_event, pack, unpack
 from tests.faults import RedisServer, TcpProxy, WorkerProcess
 from tests.test_worker_support import (
     WorkerThread,
@@ -31,7 +32,6 @@ from tests.test_worker_support import (
     tiny_model,  # noqa: F401
     wait_for,
 )
-from worker.loop import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -322,7 +322,7 @@ def test_thousands_of_hostile_entries_interleaved_with_good_jobs(
 
 
 def test_a_job_id_ending_in_a_newline_is_refused() -> None:
-    from producer.protocol import JobRequest, ProtocolError
+    from tokenq.producer.protocol import JobRequest, ProtocolError
 
     with pytest.raises(ProtocolError):
         JobRequest(prompt="x", job_id="job\n").validate()

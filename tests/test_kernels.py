@@ -18,14 +18,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import cpu_ops  # noqa: E402
-from kernels.kv_write import write_kv_triton  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from tokenq.kernels import cpu_ops  # noqa: E402
+from tokenq.kernels.kv_write import write_kv_triton  # noqa: E402
+from tokenq.kernels.paged_attention import (  # noqa: E402
     choose_num_splits,
     paged_attention_triton,
     split_scratch_numel,
 )
-from kernels.reference import paged_attention_torch, write_kv_torch  # noqa: E402
+from tokenq.kernels.reference import paged_attention_torch, write_kv_torch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GARBAGE_SCALE = 1e3  # cache slots no sequence owns: a stray read swamps the result
@@ -375,7 +375,7 @@ def test_cpu_rope_in_place(gen: torch.Generator) -> None:
 def test_cpu_ops_build_failure_leaves_the_torch_path(monkeypatch, tmp_path, caplog) -> None:
     """A compiler that fails gives None (and a warning), never an exception; ``auto`` then
     picks plain torch on the CPU."""
-    from engine.attention import resolve_backend
+    from tokenq.engine.attention import resolve_backend
 
     monkeypatch.setenv("TOKENQ_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")

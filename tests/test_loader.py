@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from engine import models
-from engine.config import ModelConfig
-from engine.loader import (
+from tokenq.engine import models
+from tokenq.engine.config import ModelConfig
+from tokenq.engine.loader import (
     _unpermute_rope_rows,
     load_checkpoint,
     read_gguf_metadata,
     resolve_model,
 )
+
 from tests.helpers import DEFAULT_MODEL, default_model_path, make_tiny_llama_dir
 
 # --- the default model (GGUF) -----------------------------------------------------------------

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.attention import AttentionMetadata
-from engine.hf_reference import build_hf_model
-from engine.loader import load_checkpoint, resolve_model
+from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
+from tokenq.engine.attention import AttentionMetadata
+from tokenq.engine.hf_reference import build_hf_model
+from tokenq.engine.loader import load_checkpoint, resolve_model
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-
-from producer.protocol import (
+from tokenq.producer.protocol import (
     PROTOCOL_VERSION,
     DoneEvent,
     ErrorEvent,

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from tokenq.engine.sampler import sample
+from tokenq.engine.sampling_params import SamplingParams
 
 VOCAB = 49152  # the default model's, as in the engine
 FLOAT32_MAX = torch.finfo(torch.float32).max

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from engine import InvalidRequest, SamplingParams
-from engine.errors import clip
+from tokenq.engine import InvalidRequest, SamplingParams
+from tokenq.engine.errors import clip
 
 
 def refused(**params) -> InvalidRequest:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from engine.block_manager import BlockManager
-from engine.errors import InvalidRequest, InvalidTransition
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import RequestState, Sequence
+from tokenq.engine.block_manager import BlockManager
+from tokenq.engine.errors import InvalidRequest, InvalidTransition
+from tokenq.engine.sampling_params import SamplingParams
+from tokenq.engine.scheduler import Scheduler
+from tokenq.engine.sequence import RequestState, Sequence
 
 S = RequestState
 

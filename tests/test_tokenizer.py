@@ -9,8 +9,8 @@ from typing import Any
 
 import jinja2
 import pytest
+from tokenq.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from tests.helpers import default_model_path, default_tokenizer
 
 TEXTS = [

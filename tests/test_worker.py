@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import redis
 import structlog
+from tokenq.producer import cli
+from tokenq.producer.client import Client, make_request
+from tokenq.producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
+from tokenq.worker.logs import configure_logging
+from tokenq.worker.loop import Worker
 
-from producer import cli
-from producer.client import Client, make_request
-from producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
 from tests.test_worker_support import (
     WorkerThread,
     check_reply,
@@ -24,8 +26,6 @@ from tests.test_worker_support import (
     tiny_model,  # noqa: F401
     wait_for,
 )
-from worker.logs import configure_logging
-from worker.loop import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from tokenq.producer.client import Client, Job, make_request
+from tokenq.producer.protocol import TokenEvent, decode_event
+from tokenq.worker.loop import Worker
 
-from producer.client import Client, Job, make_request
-from producer.protocol import TokenEvent, decode_event
 from tests.faults import WorkerProcess
 from tests.test_worker_support import (
     WorkerThread,
@@ -22,7 +23,6 @@ from tests.test_worker_support import (
     tiny_model,  # noqa: F401
     wait_for,
 )
-from worker.loop import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

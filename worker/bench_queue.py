@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-
-from producer.client import DEFAULT_REDIS_URL, Client, make_request
-from producer.protocol import DoneEvent, ErrorEvent, TokenEvent
-from worker.config import WorkerConfig
-from worker.logs import configure_logging
+from tokenq.producer.client import DEFAULT_REDIS_URL, Client, make_request
+from tokenq.producer.protocol import DoneEvent, ErrorEvent, TokenEvent
+from tokenq.worker.config import WorkerConfig
+from tokenq.worker.logs import configure_logging
 
 
 @dataclass
@@ -61,7 +60,7 @@ def run_queue(
 ) -> RunResult:
     """The worker runs in the main thread, as `tokenq worker` does (torch is measurably
     slower in a secondary thread); the client runs beside it in a thread."""
-    from worker.loop import Worker
+    from tokenq.worker.loop import Worker
 
     worker = Worker(engine, conn, WorkerConfig(namespace=namespace, block_ms=5))
     client = Client(conn, namespace=namespace)
@@ -113,8 +112,8 @@ def connect(url: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine import EngineConfig, LLMEngine
-    from engine.bench import w1
+    from tokenq.engine import EngineConfig, LLMEngine
+    from tokenq.engine.bench import w1
 
     ap = argparse.ArgumentParser(prog="tokenq bench queue", description=__doc__)
     ap.add_argument("--model", default="smollm2-135m")

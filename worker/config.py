@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from producer.protocol import DEFAULT_LIMITS, DEFAULT_NAMESPACE, GROUP, Limits
+from tokenq.producer.protocol import DEFAULT_LIMITS, DEFAULT_NAMESPACE, GROUP, Limits
 
 
 def default_consumer() -> str:

@@ -13,11 +13,10 @@ import threading
 import time
 
 import fakeredis
-
-from producer.client import Client, make_request
-from producer.protocol import DoneEvent, ErrorEvent, RestartEvent, TokenEvent
-from worker.config import WorkerConfig
-from worker.logs import configure_logging
+from tokenq.producer.client import Client, make_request
+from tokenq.producer.protocol import DoneEvent, ErrorEvent, RestartEvent, TokenEvent
+from tokenq.worker.config import WorkerConfig
+from tokenq.worker.logs import configure_logging
 
 PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
@@ -60,8 +59,8 @@ class LiveView:
 
 
 def run_demo(model: str = "smollm2-135m", max_tokens: int = 48) -> int:
-    from engine import EngineConfig, LLMEngine
-    from worker.loop import Worker
+    from tokenq.engine import EngineConfig, LLMEngine
+    from tokenq.worker.loop import Worker
 
     configure_logging(json=False, level="warning")
     print(f"loading {model} ...", flush=True)

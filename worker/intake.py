@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from producer.protocol import (
+from tokenq.producer.protocol import (
     DEFAULT_LIMITS,
     JobRequest,
     Limits,

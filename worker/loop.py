@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 import structlog
-
-from engine.errors import InvalidRequest, StepFailed
-from producer.protocol import (
+from tokenq.engine.errors import InvalidRequest, StepFailed
+from tokenq.producer.protocol import (
     DONE,
     ERROR,
     RUNNING,
@@ -41,8 +40,8 @@ from producer.protocol import (
     pack,
     reply_seq,
 )
-from worker.config import WorkerConfig
-from worker.intake import (
+from tokenq.worker.config import WorkerConfig
+from tokenq.worker.intake import (
     Rejection,
     check_model,
     engine_params,
@@ -51,13 +50,13 @@ from worker.intake import (
     parse_entry,
     to_monotonic,
 )
-from worker.metrics import WorkerMetrics
-from worker.resume import Continuation, Logprobs, ReplyHistory
-from worker.scripts import Item, Scripts
+from tokenq.worker.metrics import WorkerMetrics
+from tokenq.worker.resume import Continuation, Logprobs, ReplyHistory
+from tokenq.worker.scripts import Item, Scripts
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
-    from engine.outputs import RequestOutput
+    from tokenq.engine.llm_engine import LLMEngine
+    from tokenq.engine.outputs import RequestOutput
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)

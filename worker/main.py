@@ -13,10 +13,9 @@ from types import FrameType
 
 import redis
 import structlog
-
-from producer.cli import engine_kwargs
-from worker.config import WorkerConfig, default_consumer
-from worker.logs import configure_logging
+from tokenq.producer.cli import engine_kwargs
+from tokenq.worker.config import WorkerConfig, default_consumer
+from tokenq.worker.logs import configure_logging
 
 
 def served_names(model: str) -> frozenset[str]:
@@ -26,8 +25,8 @@ def served_names(model: str) -> frozenset[str]:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from engine import EngineConfig, LLMEngine
-    from worker.loop import Worker
+    from tokenq.engine import EngineConfig, LLMEngine
+    from tokenq.worker.loop import Worker
 
     configure_logging(json=args.log_format == "json", level=args.log_level)
     log = structlog.get_logger("tokenq.worker")

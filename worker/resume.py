@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from producer.protocol import (
+from tokenq.producer.protocol import (
     TERMINAL_EVENTS,
     Event,
     RestartEvent,

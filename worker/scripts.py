@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-
-from producer.protocol import Keys
+from tokenq.producer.protocol import Keys
 
 # Start jobs: claim the owner key (fencing) and read what the reply stream already holds,
 # in one step, unless the job is finished or (a fresh duplicate entry) runs elsewhere.
