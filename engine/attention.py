@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from tokenq.kernels import cpu_ops
 from tokenq.kernels.reference import TorchAttentionPlan, paged_attention_torch, plan_attention_torch
 

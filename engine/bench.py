@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from tokenq.engine.config import EngineConfig
 from tokenq.engine.hf_reference import build_hf_model, greedy_config
 from tokenq.engine.llm import LLM

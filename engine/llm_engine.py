@@ -15,6 +15,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+
 from tokenq.engine.attention import AttentionBackend, AttentionMetadata
 from tokenq.engine.block_manager import BlockManager
 from tokenq.engine.config import EngineConfig

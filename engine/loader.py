@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from tokenq.engine import models
 from tokenq.engine.config import ModelConfig
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from tokenq.engine.attention import AttentionBackend, AttentionMetadata
 from tokenq.engine.config import ModelConfig
 from tokenq.kernels import cpu_ops

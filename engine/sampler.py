@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from tokenq.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")

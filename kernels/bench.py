@@ -10,9 +10,10 @@ from __future__ import annotations
 import sys
 
 import torch
+from triton.testing import do_bench
+
 from tokenq.kernels.paged_attention import choose_num_splits, paged_attention_triton
 from tokenq.kernels.reference import paged_attention_torch
-from triton.testing import do_bench
 
 _COPY_BYTES = 1 << 30
 _NO_CUDA = "tokenq.kernels.bench needs a CUDA device: the Triton kernels are GPU-only"

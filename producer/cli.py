@@ -1,8 +1,13 @@
-"""The `tokenq` command: worker, submit, demo, bench.
+"""The client's share of the `tokenq` command (`submit`), and the option helpers every
+command uses.
 
 Every option also reads an environment variable (``--max-num-seqs`` <- ``TOKENQ_MAX_NUM_SEQS``)
-so containers are configured without a command line. Only `submit` runs without torch: the
-other subcommands import the engine inside their handlers, never at module level.
+so containers are configured without a command line. Nothing here needs torch; the worker's
+commands live in ``tokenq.worker.cli`` and ``tokenq.cli`` dispatches between the two.
+
+Exit statuses: 0 done; 1 the job failed (its error printed); 2 usage, a bad request, or
+Redis unreachable (one line naming the URL); 3 QueueFull; 4 no result within --timeout;
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -12,21 +17,25 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from tokenq.producer.client import DEFAULT_REDIS_URL, Client
+import redis
+
+from tokenq.producer.client import DEFAULT_REDIS_URL, Client, ClientConfig
 from tokenq.producer.errors import JobFailed, QueueFull
 from tokenq.producer.protocol import (
     DEFAULT_NAMESPACE,
     DoneEvent,
     ErrorEvent,
+    ProtocolError,
     RestartEvent,
     TokenEvent,
 )
 
-EXIT_JOB_FAILED, EXIT_QUEUE_FULL, EXIT_TIMEOUT = 1, 3, 4
+EXIT_JOB_FAILED, EXIT_USAGE, EXIT_QUEUE_FULL, EXIT_TIMEOUT = 1, 2, 3, 4
+EXIT_NO_REDIS = EXIT_USAGE
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 
@@ -68,63 +77,16 @@ def flag_option(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
     parser.add_argument(flag, action="store_true", default=default, help=f"{help} [env {env}]")
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def common_options(parser: argparse.ArgumentParser) -> None:
+    """Where the queue is: every command that talks to Redis takes these."""
     option(parser, "--redis-url", default=DEFAULT_REDIS_URL, help="Redis server")
     option(parser, "--namespace", default=DEFAULT_NAMESPACE, help="prefix of every Redis key")
 
 
-def _engine_options(parser: argparse.ArgumentParser) -> None:
-    option(parser, "--model", default="smollm2-135m", help="alias, GGUF file or HF folder")
-    option(parser, "--max-num-seqs", type=int, help="requests batched at once")
-    option(parser, "--max-num-batched-tokens", type=int, help="token budget per step")
-    option(parser, "--block-size", type=int, help="tokens per KV block")
-    option(parser, "--num-kv-blocks", type=int, help="KV pool size in blocks")
-    option(parser, "--kv-cache-memory", type=parse_size, help="KV pool size in bytes (2GiB)")
-    option(parser, "--max-model-len", type=int, help="context limit")
-    option(parser, "--attention-backend", help="auto, cpu (C kernels), torch or triton")
-    option(parser, "--device", help="auto, cpu, cuda, cuda:1")
-    option(parser, "--dtype", help="auto, float32, float16, bfloat16")
-    option(parser, "--num-threads", type=int, help="torch CPU threads")
-
-
-ENGINE_FIELDS = (
-    "model",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "block_size",
-    "num_kv_blocks",
-    "kv_cache_memory",
-    "max_model_len",
-    "attention_backend",
-    "device",
-    "dtype",
-    "num_threads",
-)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine options that were given; the rest keep EngineConfig's defaults."""
-    return {f: getattr(args, f) for f in ENGINE_FIELDS if getattr(args, f) is not None}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenq", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    worker = sub.add_parser("worker", help="serve jobs from the job stream")
-    _common(worker)
-    _engine_options(worker)
-    option(worker, "--consumer", help="consumer name; stable names replay their own jobs")
-    option(worker, "--claim-idle-ms", type=int, default=60_000, help="reclaim jobs idle this long")
-    option(worker, "--max-deliveries", type=int, default=3, help="dead-letter after this many")
-    option(worker, "--grace-period", type=float, default=30.0, help="seconds to drain on stop")
-    option(worker, "--reply-ttl", type=int, default=3600, help="reply stream TTL after the end")
-    option(worker, "--metrics-interval", type=float, default=10.0, help="seconds between publishes")
-    option(worker, "--log-format", default="json", choices=("json", "console"), help="log lines")
-    option(worker, "--log-level", default="info", help="debug, info, warning")
-
+def add_commands(sub: Any) -> None:
+    """The client's commands: they need redis and msgpack, never torch."""
     submit = sub.add_parser("submit", help="submit one job and print its reply")
-    _common(submit)
+    common_options(submit)
     submit.add_argument("prompt", help="the user message (or raw prompt with --raw)")
     flag_option(submit, "--raw", "send the text as a raw prompt, not a chat message")
     flag_option(submit, "--stream", "print tokens as they arrive")
@@ -138,43 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     option(submit, "--job-id", help="idempotency key (default: random)")
     option(submit, "--timeout", type=float, default=600.0, help="seconds to wait for the end")
     option(submit, "--max-backlog", type=int, default=10_000, help="QueueFull beyond this")
-
-    demo = sub.add_parser("demo", help="everything in one process, no Redis server needed")
-    option(demo, "--model", default="smollm2-135m", help="alias, GGUF file or HF folder")
-    option(demo, "--max-tokens", type=int, default=48, help="tokens per answer")
-
-    bench = sub.add_parser("bench", help="benchmarks: engine, queue, kernels")
-    bench.add_argument("target", choices=("engine", "queue", "kernels"))
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
-    return parser
-
-
-def cmd_worker(args: argparse.Namespace) -> int:
-    from tokenq.worker.main import run_worker
-
-    return run_worker(args)
+    option(
+        submit,
+        "--retry-for",
+        type=float,
+        default=ClientConfig.retry_for,
+        help="seconds to ride out an unreachable Redis",
+    )
+    submit.set_defaults(run=cmd_submit)
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from tokenq.worker.demo import run_demo
-
-    return run_demo(model=args.model, max_tokens=args.max_tokens)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    if args.target == "engine":
-        from tokenq.engine.bench import main as bench_engine
-
-        bench_engine(args.args)
-    elif args.target == "kernels":
-        from tokenq.kernels.bench import run_kernel_bench
-
-        run_kernel_bench()
-    else:
-        from tokenq.worker.bench_queue import main as bench_queue
-
-        bench_queue(args.args)
-    return 0
+def redacted(url: str) -> str:
+    """The URL without its password, for messages."""
+    return re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -187,25 +125,44 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if args.raw
         else {"messages": [{"role": "user", "content": args.prompt}]}
     )
-    with Client(args.redis_url, namespace=args.namespace, max_backlog=args.max_backlog) as client:
-        try:
-            job = client.submit(job_id=args.job_id, priority=args.priority, **prompt, **params)
-        except QueueFull as exc:
-            print(f"tokenq: {exc}", file=sys.stderr)
-            return EXIT_QUEUE_FULL
-        if args.no_wait:
-            print(job.id)
-            return 0
-        try:
-            if args.stream:
-                return _print_stream(job.stream(timeout=args.timeout), args.json)
-            done = job.result(timeout=args.timeout)
-        except JobFailed as exc:
-            print(f"tokenq: {exc}", file=sys.stderr)
-            return EXIT_JOB_FAILED
-        except TimeoutError:
-            print(f"tokenq: no result for job {job.id} within {args.timeout}s", file=sys.stderr)
-            return EXIT_TIMEOUT
+    client = Client(
+        args.redis_url,
+        namespace=args.namespace,
+        max_backlog=args.max_backlog,
+        retry_for=args.retry_for,
+    )
+    try:
+        with client:
+            return _submit(client, args, prompt, params)
+    except redis.ConnectionError as exc:
+        print(f"tokenq: cannot reach Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
+        return EXIT_NO_REDIS
+    except ProtocolError as exc:
+        print(f"tokenq: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _submit(
+    client: Client, args: argparse.Namespace, prompt: dict[str, Any], params: dict[str, Any]
+) -> int:
+    try:
+        job = client.submit(job_id=args.job_id, priority=args.priority, **prompt, **params)
+    except QueueFull as exc:
+        print(f"tokenq: {exc}", file=sys.stderr)
+        return EXIT_QUEUE_FULL
+    if args.no_wait:
+        print(job.id)
+        return 0
+    try:
+        if args.stream:
+            return _print_stream(job.stream(timeout=args.timeout), args.json)
+        done = job.result(timeout=args.timeout)
+    except JobFailed as exc:
+        print(f"tokenq: {exc}", file=sys.stderr)
+        return EXIT_JOB_FAILED
+    except TimeoutError:
+        print(f"tokenq: no result for job {job.id} within {args.timeout}s", file=sys.stderr)
+        return EXIT_TIMEOUT
     if args.json:
         print(json.dumps({"job_id": job.id, **_event_json(done)}))
     else:
@@ -235,23 +192,3 @@ def _print_stream(events: Any, as_json: bool) -> int:
                 print(f"tokenq: {event.code}: {event.message}", file=sys.stderr)
             return EXIT_JOB_FAILED
     return 0
-
-
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "worker": cmd_worker,
-    "submit": cmd_submit,
-    "demo": cmd_demo,
-    "bench": cmd_bench,
-}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return COMMANDS[args.command](args)
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -30,10 +30,12 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
 from tokenq.producer.errors import ClientClosed, JobFailed, QueueFull, RedisUnavailable
 from tokenq.producer.protocol import (
     DEFAULT_LIMITS,
     DEFAULT_NAMESPACE,
+    QUEUED,
     TERMINAL_EVENTS,
     DoneEvent,
     ErrorEvent,
@@ -51,7 +53,6 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_MAX_BACKLOG = 10_000
 DEFAULT_JOB_TTL = 24 * 3600  # how long a job id stays taken (the idempotency window)
 READ_COUNT = 512
-JOB_QUEUED = b"queued"
 RETRY_BASE = 0.05  # seconds: the pause after a first failure, doubled after each further one
 RETRY_CAP = 1.0  # the longest pause, so a server back from a restart is found within ~1 s
 
@@ -654,7 +655,7 @@ class Client:
                     fresh, duplicate = _plan(reqs, existing, backlog, self.config.max_backlog)
                     pipe.multi()
                     for req in fresh:
-                        pipe.set(self.keys.job(req.job_id), JOB_QUEUED, ex=self.config.job_ttl)
+                        pipe.set(self.keys.job(req.job_id), QUEUED, ex=self.config.job_ttl)
                         pipe.xadd(self.keys.jobs, req.to_fields())
                     pipe.execute()
                     return duplicate
@@ -779,7 +780,7 @@ class AsyncClient:
                     fresh, duplicate = _plan(reqs, existing, backlog, self.config.max_backlog)
                     pipe.multi()
                     for req in fresh:
-                        pipe.set(self.keys.job(req.job_id), JOB_QUEUED, ex=self.config.job_ttl)
+                        pipe.set(self.keys.job(req.job_id), QUEUED, ex=self.config.job_ttl)
                         pipe.xadd(self.keys.jobs, req.to_fields())
                     await pipe.execute()
                     return duplicate

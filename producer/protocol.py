@@ -51,10 +51,13 @@ JOB_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}")
 ECHO_CHARS = 100  # how much of a bad value an error message may quote
 MAX_PRIORITY = 2**31 - 1
 
+# Reply event types.
 TOKEN, DONE, ERROR, RESTART = "token", "done", "error", "restart"
-# Job key values: the job's state as a client sees it (docs/protocol.md, "Keys").
-QUEUED, RUNNING = "queued", "running"
 TERMINAL_EVENTS = frozenset({DONE, ERROR})
+# Job key values, the job's state as a client sees it (docs/protocol.md, "Keys"): queued,
+# then running once tokens stream, then the type of its terminal event.
+QUEUED, RUNNING = "queued", "running"
+JOB_STATUSES = (QUEUED, RUNNING, DONE, ERROR)
 
 
 def clip(value: Any, limit: int = ECHO_CHARS) -> str:
@@ -385,8 +388,20 @@ class Timings:
     total: float | None = None
 
 
+class _Wire:
+    """An event's rendering on the reply stream: fields ``type`` and ``data`` (msgpack)."""
+
+    type: str
+
+    def to_data(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to_wire(self) -> dict[str, bytes | str]:
+        return {"type": self.type, "data": pack(self.to_data())}
+
+
 @dataclass
-class TokenEvent:
+class TokenEvent(_Wire):
     index: int  # position of token_ids[0] in the completion
     token_ids: list[int]
     text: str
@@ -394,9 +409,28 @@ class TokenEvent:
     event_id: str = ""
     type: str = field(default=TOKEN, init=False)
 
+    def to_data(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"index": self.index, "token_ids": self.token_ids, "text": self.text}
+        if self.logprobs is not None:
+            data["logprobs"] = [[list(pair) for pair in top] for top in self.logprobs]
+        return data
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any], event_id: str) -> TokenEvent:
+        logprobs = data.get("logprobs")
+        return cls(
+            index=data["index"],
+            token_ids=list(data["token_ids"]),
+            text=data["text"],
+            logprobs=None
+            if logprobs is None
+            else [[(int(t), float(lp)) for t, lp in top] for top in logprobs],
+            event_id=event_id,
+        )
+
 
 @dataclass
-class DoneEvent:
+class DoneEvent(_Wire):
     text: str
     finish_reason: str
     token_ids: list[int] = field(default_factory=list)
@@ -406,93 +440,29 @@ class DoneEvent:
     event_id: str = ""
     type: str = field(default=DONE, init=False)
 
-
-@dataclass
-class ErrorEvent:
-    code: str
-    message: str
-    metadata: Any = None
-    event_id: str = ""
-    type: str = field(default=ERROR, init=False)
-
-
-@dataclass
-class RestartEvent:
-    """The job was re-run after a worker died and the new run diverged from what had been
-    streamed: everything received before this event is void, tokens start again at 0."""
-
-    reason: str
-    event_id: str = ""
-    type: str = field(default=RESTART, init=False)
-
-
-Event = TokenEvent | DoneEvent | ErrorEvent | RestartEvent
-
-
-def encode_event(event: Event) -> dict[str, bytes | str]:
-    if isinstance(event, TokenEvent):
-        data: dict[str, Any] = {
-            "index": event.index,
-            "token_ids": event.token_ids,
-            "text": event.text,
-        }
-        if event.logprobs is not None:
-            data["logprobs"] = [[list(pair) for pair in top] for top in event.logprobs]
-    elif isinstance(event, DoneEvent):
-        data = {
-            "text": event.text,
-            "finish_reason": event.finish_reason,
-            "token_ids": event.token_ids,
+    def to_data(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "token_ids": self.token_ids,
             "usage": {
-                "prompt_tokens": event.usage.prompt_tokens,
-                "completion_tokens": event.usage.completion_tokens,
-                "total_tokens": event.usage.total_tokens,
+                "prompt_tokens": self.usage.prompt_tokens,
+                "completion_tokens": self.usage.completion_tokens,
+                "total_tokens": self.usage.total_tokens,
             },
             "timings": {
-                "queue_time": event.timings.queue_time,
-                "time_to_first_token": event.timings.time_to_first_token,
-                "total": event.timings.total,
+                "queue_time": self.timings.queue_time,
+                "time_to_first_token": self.timings.time_to_first_token,
+                "total": self.timings.total,
             },
-            "metadata": event.metadata,
+            "metadata": self.metadata,
         }
-    elif isinstance(event, ErrorEvent):
-        data = {"code": event.code, "message": event.message, "metadata": event.metadata}
-    else:
-        data = {"reason": event.reason}
-    return {"type": event.type, "data": pack(data)}
 
-
-def reply_entry_id(seq: int) -> str:
-    """Reply events carry their position in the stream id (``0-1``, ``0-2``, ...): a worker
-    that re-sends a batch whose first send landed (the reply was lost on the way back) is
-    recognised by these ids and writes nothing twice."""
-    return f"0-{seq}"
-
-
-def reply_seq(event_id: bytes | str) -> int:
-    eid = event_id.decode() if isinstance(event_id, bytes) else event_id
-    return int(eid.rpartition("-")[2])
-
-
-def decode_event(event_id: bytes | str, fields: dict[bytes, bytes]) -> Event:
-    eid = _text(event_id) or ""
-    kind = _text(fields.get(b"type"))
-    data = unpack(fields[b"data"])
-    if kind == TOKEN:
-        logprobs = data.get("logprobs")
-        return TokenEvent(
-            index=data["index"],
-            token_ids=list(data["token_ids"]),
-            text=data["text"],
-            logprobs=None
-            if logprobs is None
-            else [[(int(t), float(lp)) for t, lp in top] for top in logprobs],
-            event_id=eid,
-        )
-    if kind == DONE:
+    @classmethod
+    def from_data(cls, data: dict[str, Any], event_id: str) -> DoneEvent:
         usage = data.get("usage") or {}
         timings = data.get("timings") or {}
-        return DoneEvent(
+        return cls(
             text=data["text"],
             finish_reason=data["finish_reason"],
             token_ids=list(data.get("token_ids") or []),
@@ -501,10 +471,67 @@ def decode_event(event_id: bytes | str, fields: dict[bytes, bytes]) -> Event:
                 timings.get("queue_time"), timings.get("time_to_first_token"), timings.get("total")
             ),
             metadata=data.get("metadata"),
-            event_id=eid,
+            event_id=event_id,
         )
-    if kind == ERROR:
-        return ErrorEvent(data["code"], data["message"], data.get("metadata"), event_id=eid)
-    if kind == RESTART:
-        return RestartEvent(data.get("reason", ""), event_id=eid)
-    raise ProtocolError("invalid_event", f"unknown reply event type {kind!r}")
+
+
+@dataclass
+class ErrorEvent(_Wire):
+    code: str
+    message: str
+    metadata: Any = None
+    event_id: str = ""
+    type: str = field(default=ERROR, init=False)
+
+    def to_data(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "metadata": self.metadata}
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any], event_id: str) -> ErrorEvent:
+        return cls(data["code"], data["message"], data.get("metadata"), event_id=event_id)
+
+
+@dataclass
+class RestartEvent(_Wire):
+    """The job was re-run after a worker died and the new run diverged from what had been
+    streamed: everything received before this event is void, tokens start again at 0."""
+
+    reason: str
+    event_id: str = ""
+    type: str = field(default=RESTART, init=False)
+
+    def to_data(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any], event_id: str) -> RestartEvent:
+        return cls(data.get("reason", ""), event_id=event_id)
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent | RestartEvent
+EVENT_TYPES: dict[str, type[TokenEvent | DoneEvent | ErrorEvent | RestartEvent]] = {
+    TOKEN: TokenEvent,
+    DONE: DoneEvent,
+    ERROR: ErrorEvent,
+    RESTART: RestartEvent,
+}
+
+
+def encode_event(event: Event) -> dict[str, bytes | str]:
+    return event.to_wire()
+
+
+def reply_seq(event_id: bytes | str) -> int:
+    """A reply event's position. Workers write event n at stream id ``0-n``: a worker that
+    re-sends a batch whose first send landed (the answer was lost on the way back) is
+    recognised by these ids and writes nothing twice."""
+    eid = event_id.decode() if isinstance(event_id, bytes) else event_id
+    return int(eid.rpartition("-")[2])
+
+
+def decode_event(event_id: bytes | str, fields: dict[bytes, bytes]) -> Event:
+    kind = _text(fields.get(b"type"))
+    cls = EVENT_TYPES.get(kind or "")
+    if cls is None:
+        raise ProtocolError("invalid_event", f"unknown reply event type {clip(kind)}")
+    return cls.from_data(unpack(fields[b"data"]), _text(event_id) or "")

@@ -251,7 +251,7 @@ class WorkerProcess:
         extra: list[str] | None = None,
     ) -> None:
         cmd = [
-            sys.executable, "-m", "tokenq.producer.cli", "worker",
+            sys.executable, "-m", "tokenq.cli", "worker",
             "--model", str(model), "--device", "cpu", "--dtype", "float32",
             "--num-kv-blocks", "512", "--max-num-seqs", "8", "--num-threads", "1",
             "--redis-url", url, "--namespace", namespace, "--consumer", consumer,

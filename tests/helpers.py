@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
 from tokenq.engine.config import ModelConfig
 from tokenq.engine.loader import expected_weight_shapes
 from tokenq.engine.models import ensure_model

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from tokenq.engine.block_manager import BlockManager
 from tokenq.engine.sampling_params import SamplingParams
 from tokenq.engine.sequence import Sequence

@@ -16,6 +16,7 @@ import fakeredis
 import fakeredis.aioredis
 import pytest
 import redis
+
 from tokenq.producer.client import AsyncClient, Client, make_request
 from tokenq.producer.errors import ClientClosed, JobFailed, QueueFull
 from tokenq.producer.protocol import (
@@ -219,9 +220,9 @@ def test_producer_and_submit_need_no_torch(redis_url: str, redis_namespace: str)
                     raise ImportError("torch is blocked in this test")
 
         sys.meta_path.insert(0, NoTorch())
-        import tokenq, tokenq.producer.client, tokenq.producer.protocol, tokenq.producer.cli
+        import tokenq, tokenq.producer.client, tokenq.producer.protocol, tokenq.cli
         from tokenq import AsyncClient, Client, JobFailed, QueueFull
-        code = tokenq.producer.cli.main(["submit", "hello", "--no-wait", "--job-id", "nt",
+        code = tokenq.cli.main(["submit", "hello", "--no-wait", "--job-id", "nt",
                                   "--redis-url", "{redis_url}", "--namespace", "{redis_namespace}"])
         assert code == 0
         assert "torch" not in sys.modules
@@ -238,7 +239,8 @@ def test_producer_and_submit_need_no_torch(redis_url: str, redis_namespace: str)
 
 
 def test_every_cli_option_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tokenq.producer.cli import build_parser, engine_kwargs, parse_size
+    from tokenq.producer.cli import parse_size
+    from tokenq.worker.cli import build_parser, engine_kwargs
 
     monkeypatch.setenv("TOKENQ_MAX_NUM_SEQS", "3")
     monkeypatch.setenv("TOKENQ_KV_CACHE_MEMORY", "2GiB")

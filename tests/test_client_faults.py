@@ -18,11 +18,11 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from tests.faults import RedisServer, TcpProxy
 from tokenq.producer.client import AsyncClient, Client, ClientConfig
 from tokenq.producer.errors import RedisUnavailable
 from tokenq.producer.protocol import DoneEvent, Event, Keys, TokenEvent, encode_event
-
-from tests.faults import RedisServer, TcpProxy
 
 NS = "t"
 

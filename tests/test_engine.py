@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import make_tiny_llama_dir
 from tokenq.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
 from tokenq.engine.hf_reference import build_hf_model, greedy_config
 from tokenq.engine.loader import load_checkpoint
 from tokenq.kernels import cpu_ops
-
-from tests.helpers import make_tiny_llama_dir
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12)
 

@@ -17,9 +17,6 @@ from typing import Any
 
 import pytest
 import redis
-from tokenq.producer.client import Client, Job, make_request
-from tokenq.producer.protocol import GROUP, ErrorEvent, Keys, TokenEvent, decode_event, pack, unpack
-from tokenq.worker.loop import Worker
 
 from tests.faults import RedisServer, TcpProxy, WorkerProcess
 from tests.test_worker_support import (
@@ -32,6 +29,9 @@ from tests.test_worker_support import (
     tiny_model,  # noqa: F401
     wait_for,
 )
+from tokenq.producer.client import Client, Job, make_request
+from tokenq.producer.protocol import GROUP, ErrorEvent, Keys, TokenEvent, decode_event, pack, unpack
+from tokenq.worker.loop import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -357,12 +357,17 @@ def test_a_broken_entry_reusing_a_jobs_id_never_adds_a_terminal_event(
 ) -> None:
     client = Client(redis_url, namespace=redis_namespace)
     conn, keys = client.redis, client.keys
-    run = Run.submit(client, 1, 200)
+    run = Run.submit(client, 1, 1000)
     (job,) = run.jobs
     broken = {"v": "1", "id": job.id, "data": b"\xc1"}
-    with WorkerThread(Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))):
+    worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
+    with WorkerThread(worker):
         wait_for(lambda: run.tokens_so_far()[0] > 5)
         conn.xadd(keys.jobs, broken)  # while the job runs
+        wait_for(lambda: conn.xlen(keys.dead) == 1)
+        # The job runs on, still this worker's: the broken entry took nothing from it.
+        assert job.status() == "running"
+        assert conn.get(keys.owner(job.id)) == worker.fence
         wait_for(lambda: job.status() == "done")
         conn.xadd(keys.jobs, broken)  # after it finished
         wait_for(lambda: conn.xlen(keys.dead) == 2)
@@ -370,6 +375,8 @@ def test_a_broken_entry_reusing_a_jobs_id_never_adds_a_terminal_event(
     assert job.status() == "done"
     codes = [d["code"] for d in dead_letters(conn, keys)]
     assert codes == [b"invalid_payload", b"invalid_payload"]
+    assert "taken over" not in str(worker.metrics.request_error_total)
+    assert sum(worker.metrics.request_success_total.values()) == 1
     client.close()
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from tests.helpers import DEFAULT_MODEL, default_model_path, make_tiny_llama_dir
 from tokenq.engine import models
 from tokenq.engine.config import ModelConfig
 from tokenq.engine.loader import (
@@ -18,8 +20,6 @@ from tokenq.engine.loader import (
     read_gguf_metadata,
     resolve_model,
 )
-
-from tests.helpers import DEFAULT_MODEL, default_model_path, make_tiny_llama_dir
 
 # --- the default model (GGUF) -----------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenq.engine.attention import AttentionMetadata
 from tokenq.engine.hf_reference import build_hf_model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+
 from tokenq.producer.protocol import (
     PROTOCOL_VERSION,
     DoneEvent,

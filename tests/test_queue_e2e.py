@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from tokenq.engine import SamplingParams
-from tokenq.producer.client import Client, make_request
-from tokenq.worker.loop import Worker
 
 from tests.helpers import DEFAULT_MODEL
 from tests.test_worker_support import WorkerThread, check_reply, fast_config, make_engine
+from tokenq.engine import SamplingParams
+from tokenq.producer.client import Client, make_request
+from tokenq.worker.loop import Worker
 
 QUESTIONS = [
     "What is the capital of France?",

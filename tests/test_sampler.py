@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from tokenq.engine.sampler import sample
 from tokenq.engine.sampling_params import SamplingParams
 

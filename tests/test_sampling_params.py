@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tokenq.engine import InvalidRequest, SamplingParams
 from tokenq.engine.errors import clip
 

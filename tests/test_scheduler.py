@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tokenq.engine.block_manager import BlockManager
 from tokenq.engine.errors import InvalidRequest, InvalidTransition
 from tokenq.engine.sampling_params import SamplingParams

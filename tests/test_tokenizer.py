@@ -9,9 +9,9 @@ from typing import Any
 
 import jinja2
 import pytest
-from tokenq.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 from tests.helpers import default_model_path, default_tokenizer
+from tokenq.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello world",

@@ -10,11 +10,6 @@ from pathlib import Path
 import pytest
 import redis
 import structlog
-from tokenq.producer import cli
-from tokenq.producer.client import Client, make_request
-from tokenq.producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
-from tokenq.worker.logs import configure_logging
-from tokenq.worker.loop import Worker
 
 from tests.test_worker_support import (
     WorkerThread,
@@ -26,6 +21,11 @@ from tests.test_worker_support import (
     tiny_model,  # noqa: F401
     wait_for,
 )
+from tokenq import cli
+from tokenq.producer.client import Client, make_request
+from tokenq.producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
+from tokenq.worker.logs import configure_logging
+from tokenq.worker.loop import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

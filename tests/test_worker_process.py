@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 import redis
-from tokenq.producer.client import Client, Job, make_request
-from tokenq.producer.protocol import TokenEvent, decode_event
-from tokenq.worker.loop import Worker
 
 from tests.faults import WorkerProcess
 from tests.test_worker_support import (
@@ -23,6 +20,9 @@ from tests.test_worker_support import (
     tiny_model,  # noqa: F401
     wait_for,
 )
+from tokenq.producer.client import Client, Job, make_request
+from tokenq.producer.protocol import TokenEvent, decode_event
+from tokenq.worker.loop import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.helpers import make_tiny_llama_dir
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenq.producer.protocol import DoneEvent, Event, RestartEvent, TokenEvent
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.loop import Worker
-
-from tests.helpers import make_tiny_llama_dir
 
 
 @pytest.fixture

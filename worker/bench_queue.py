@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+
 from tokenq.producer.client import DEFAULT_REDIS_URL, Client, make_request
 from tokenq.producer.protocol import DoneEvent, ErrorEvent, TokenEvent
 from tokenq.worker.config import WorkerConfig

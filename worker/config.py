@@ -27,8 +27,9 @@ class WorkerConfig:
     # A job pending this long without a heartbeat belongs to a dead worker.
     claim_idle_ms: int = 60_000
     claim_interval_s: float = 5.0  # at most; a quarter of claim_idle_ms when that is less
-    # Must stay well below claim_idle_ms, or live workers lose long jobs to each other.
-    heartbeat_interval_s: float = 10.0
+    # Must stay well below claim_idle_ms, or live workers lose long jobs to each other;
+    # None: a quarter of claim_idle_ms, at most 10 s.
+    heartbeat_interval_s: float | None = None
     max_deliveries: int = 3
     reply_ttl_s: int = 3600  # after done/error
     running_reply_ttl_s: int = 24 * 3600  # while running: bounds what a lost job leaves
@@ -52,6 +53,8 @@ class WorkerConfig:
         return min(self.claim_interval_s, self.claim_idle_ms / 4000)
 
     def __post_init__(self) -> None:
+        if self.heartbeat_interval_s is None:
+            self.heartbeat_interval_s = min(10.0, self.claim_idle_ms / 4000)
         if self.heartbeat_interval_s * 1000 * 2 > self.claim_idle_ms:
             raise ValueError("heartbeat_interval_s must be under half of claim_idle_ms")
         if self.max_deliveries < 1:

@@ -13,6 +13,7 @@ import threading
 import time
 
 import fakeredis
+
 from tokenq.producer.client import Client, make_request
 from tokenq.producer.protocol import DoneEvent, ErrorEvent, RestartEvent, TokenEvent
 from tokenq.worker.config import WorkerConfig

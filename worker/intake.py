@@ -80,7 +80,7 @@ def to_monotonic(unix_time: float) -> float:
 
 def derived_seed(job_id: str) -> int:
     """A sampled job without a seed gets one from its id, so a re-run after a crash draws
-    the same tokens and continues the reply seamlessly (see worker/resume.py)."""
+    the same tokens and continues the reply seamlessly (see worker/replies.py)."""
     return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:4], "big") & 0x7FFF_FFFF
 
 

@@ -18,23 +18,21 @@ from __future__ import annotations
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import redis
 import structlog
+
 from tokenq.engine.errors import InvalidRequest, StepFailed
 from tokenq.producer.protocol import (
     DONE,
     ERROR,
     RUNNING,
-    DoneEvent,
     ErrorEvent,
     Event,
     JobRequest,
     Keys,
-    Timings,
-    Usage,
     clip,
     encode_event,
     pack,
@@ -51,7 +49,7 @@ from tokenq.worker.intake import (
     to_monotonic,
 )
 from tokenq.worker.metrics import WorkerMetrics
-from tokenq.worker.resume import Continuation, Logprobs, ReplyHistory
+from tokenq.worker.replies import Continuation, ReplyHistory, cancelled_before_start
 from tokenq.worker.scripts import Item, Scripts
 
 if TYPE_CHECKING:
@@ -92,12 +90,6 @@ class Delivery:
 def _id_key(entry_id: bytes) -> tuple[int, int]:
     ms, _, seq = entry_id.partition(b"-")
     return int(ms), int(seq or 0)
-
-
-def _wire_logprobs(logprobs: list[dict[int, float]] | None) -> Logprobs | None:
-    if logprobs is None:
-        return None
-    return [sorted(top.items(), key=lambda kv: -kv[1]) for top in logprobs]
 
 
 class Worker:
@@ -392,7 +384,7 @@ class Worker:
             history = ReplyHistory.from_entries(res.reply)
             if res.verdict == "finished" or history.terminal is not None:
                 self._job_log(jid).info("duplicate delivery of a finished job")
-                self._settle(Item("settle", eid, jid))
+                self._settle(Item("settle", eid, jid, release=res.verdict == "start"))
             elif res.verdict == "elsewhere":
                 self._job_log(jid).info("a second entry for a job running on another worker")
                 self._settle(Item("settle", eid, jid))
@@ -406,7 +398,7 @@ class Worker:
                     dead_letter=False,
                     metadata=job.metadata,
                 )
-                self._reject(delivery, late)
+                self._reject(delivery, late, release=True)
             else:
                 next_seq = reply_seq(res.reply[-1][0]) + 1 if res.reply else 1
                 inf = InFlight(
@@ -440,7 +432,8 @@ class Worker:
             rejection = self._add_to_engine(inf, future)
             if rejection is not None:
                 del self.in_flight[jid]
-                self._reject(Delivery(inf.entry_id, inf.fields, inf.deliveries), rejection)
+                delivery = Delivery(inf.entry_id, inf.fields, inf.deliveries)
+                self._reject(delivery, rejection, release=True)
             else:
                 inf.in_engine = True
 
@@ -470,21 +463,18 @@ class Worker:
         self, entry_id: bytes, job: JobRequest, history: ReplyHistory
     ) -> None:
         waited = max(0.0, time.time() - enqueue_time(entry_id))
-        done = DoneEvent(
-            text=history.text,
-            finish_reason="cancelled",
-            token_ids=history.token_ids,
-            usage=Usage(0, len(history.token_ids)),
-            timings=Timings(queue_time=waited, total=waited),
-            metadata=job.metadata,
-        )
+        done = cancelled_before_start(history, waited, job.metadata)
         self.metrics.request_success_total["cancelled"] += 1
         self._job_log(job.job_id).info("job cancelled before it started")
-        self._settle(Item("settle", entry_id, job.job_id, status=DONE, events=[encode_event(done)]))
+        events = [encode_event(done)]
+        self._settle(Item("settle", entry_id, job.job_id, status=DONE, events=events, release=True))
 
-    def _reject(self, delivery: Delivery, rejection: Rejection, mode: str = "settle") -> None:
-        """End an entry with an error, and a dead letter for poison input. If its job id
-        belongs to a job running here, that job's reply is not touched."""
+    def _reject(
+        self, delivery: Delivery, rejection: Rejection, mode: str = "settle", release: bool = False
+    ) -> None:
+        """End an entry with an error, and a dead letter for poison input. `release`: this
+        worker took the job for this entry (else the entry's id may belong to a job that
+        runs or ended elsewhere, whose reply the PUBLISH script leaves alone)."""
         jid, eid = rejection.job_id, delivery.entry_id
         self.metrics.failed(rejection.code)
         self._job_log(jid).warning(
@@ -492,10 +482,11 @@ class Worker:
         )
         dead = self._dead_letter(delivery, rejection) if rejection.dead_letter else None
         events = []
-        if jid is not None and jid not in self.in_flight:
-            error = ErrorEvent(rejection.code, rejection.message, rejection.metadata)
-            events = [encode_event(error)]
-        self._settle(Item(mode, eid, jid, status=ERROR, events=events, dead=dead))
+        if jid is not None:
+            events = [
+                encode_event(ErrorEvent(rejection.code, rejection.message, rejection.metadata))
+            ]
+        self._settle(Item(mode, eid, jid, status=ERROR, events=events, dead=dead, release=release))
 
     def _dead_letter(self, delivery: Delivery, rejection: Rejection) -> dict[str, Any]:
         """The dead-letter entry. The original fields are kept whole up to a size bound,
@@ -546,42 +537,29 @@ class Worker:
         return True
 
     def _collect(self, out: RequestOutput) -> None:
-        """Turn one engine delta into the job's events, in its outbox."""
+        """Queue one engine output's events in its job's outbox."""
         inf = self.in_flight.get(out.request_id)
         if inf is None:
             return
-        inf.outbox += inf.continuation.feed(
-            out.new_token_ids, out.new_text, _wire_logprobs(out.logprobs), out.finished
-        )
-        if not inf.status and inf.outbox:
-            inf.status = RUNNING
+        inf.outbox += inf.continuation.translate(out, inf.job.metadata)
         if not out.finished:
+            if not inf.status and inf.outbox:
+                inf.status = RUNNING
             return
         inf.in_engine = False
         inf.output = out
-        if out.finish_reason == "error":
-            # The engine isolated this job as the one that breaks a step: a poison job.
-            message = out.error or "the engine failed on this job"
-            rejection = Rejection("internal_error", message, out.request_id)
-            delivery = Delivery(inf.entry_id, inf.fields, inf.deliveries)
-            inf.outbox.append(ErrorEvent("internal_error", message, inf.job.metadata))
-            inf.dead = self._dead_letter(delivery, rejection)
-            inf.status = ERROR
-            self.metrics.failed("internal_error")
-            self._job_log(out.request_id).warning("job failed in the engine", message=message)
-            return
-        m = out.metrics
-        inf.outbox.append(
-            DoneEvent(
-                text=out.text if out.text is not None else inf.continuation.text,
-                finish_reason=out.finish_reason or "stop",
-                token_ids=inf.continuation.token_ids,
-                usage=Usage(out.prompt_tokens, out.completion_tokens),
-                timings=Timings(m.queue_time, m.ttft, m.e2e),
-                metadata=inf.job.metadata,
-            )
-        )
         inf.status = DONE
+        if out.finish_reason == "error":
+            # The engine isolated this job as the one that breaks its steps: poison.
+            error = inf.outbox[-1]
+            assert isinstance(error, ErrorEvent)
+            rejection = Rejection(error.code, error.message, out.request_id)
+            inf.dead = self._dead_letter(
+                Delivery(inf.entry_id, inf.fields, inf.deliveries), rejection
+            )
+            inf.status = ERROR
+            self.metrics.failed(error.code)
+            self._job_log(out.request_id).warning("job failed in the engine", message=error.message)
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -589,11 +567,7 @@ class Worker:
         """Write every job's outbox and settle every finished entry in one script call,
         fenced by the owner keys; the answer also says which jobs were cancelled."""
         jobs = list(self.in_flight.values())
-        # An entry rejected while its job runs here (a broken duplicate) must not write
-        # into that job's reply: only its dead letter and acknowledgement go out.
-        settling = [
-            replace(it, events=[]) if it.job_id in self.in_flight else it for it in self._settling
-        ]
+        settling = list(self._settling)
         items = [
             Item(
                 "run",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+
 from tokenq.producer.protocol import Keys
 
 # Start jobs: claim the owner key (fencing) and read what the reply stream already holds,
@@ -50,8 +51,8 @@ return out
 #   KEYS[1] the job stream, KEYS[2] the dead-letter stream, then per item: owner key,
 #         reply key, job key, cancel key
 #   ARGV: token, consumer, group, running ttl, reply ttl, dead-letter maxlen, then per item:
-#         mode, entry id, first seq, status, #events, #dead-letter values, the events'
-#         type/data pairs, the dead letter's field/value pairs
+#         mode, entry id, first seq, status, release, #events, #dead-letter values, the
+#         events' type/data pairs, the dead letter's field/value pairs
 #   ->    per item: {outcome, cancelled}
 # mode "run": a job this worker runs. Fenced by the owner key; events go to their sequence
 #   ids and only those above the stream's last id are written, so a re-sent call adds
@@ -61,7 +62,9 @@ return out
 # mode "settle": an entry that ends without running (rejected, duplicate, cancelled before
 #   it started). Guarded by the entry still being pending for this consumer (else "gone":
 #   settled already, or reclaimed by another worker). Its event is written only if the job
-#   has not ended and runs nowhere else (else "kept"): one terminal event per job, always.
+#   has not ended and runs nowhere (else "kept"): one terminal event per job, always. With
+#   release "1" the entry is one this worker took the job for (the owner key is ours and
+#   ends with it); without, a job whose owner key is ours runs here from another entry.
 # mode "orphan": an entry that Redis already dropped from the pending list (XAUTOCLAIM
 #   reports trimmed entries that way): only its dead letter is written.
 PUBLISH = """
@@ -110,8 +113,9 @@ local a = 7
 for i = 0, (#KEYS - 2) / 4 - 1 do
   local owner, reply, job, cancel = KEYS[4*i+3], KEYS[4*i+4], KEYS[4*i+5], KEYS[4*i+6]
   local mode, entry, first, status = ARGV[a], ARGV[a+1], tonumber(ARGV[a+2]), ARGV[a+3]
-  local nev, ndead = tonumber(ARGV[a+4]), tonumber(ARGV[a+5])
-  local ev = a + 6
+  local release = ARGV[a+4] == '1'
+  local nev, ndead = tonumber(ARGV[a+5]), tonumber(ARGV[a+6])
+  local ev = a + 7
   local dl = ev + 2 * nev
   a = dl + ndead
   local outcome = 'ok'
@@ -140,7 +144,7 @@ for i = 0, (#KEYS - 2) / 4 - 1 do
   else
     if nev > 0 then
       local state = redis.call('GET', job)
-      if state == 'done' or state == 'error' or (holder and holder ~= token) then
+      if state == 'done' or state == 'error' or (holder and (holder ~= token or not release)) then
         outcome = 'kept'
       else
         append(reply, last_seq(reply) + 1, ev, nev)
@@ -149,7 +153,7 @@ for i = 0, (#KEYS - 2) / 4 - 1 do
         redis.call('DEL', cancel)
       end
     end
-    if holder == token then redis.call('DEL', owner) end
+    if release and holder == token then redis.call('DEL', owner) end
     add_dead(dl, ndead)
     redis.call('XACK', stream, group, entry)
     redis.call('XDEL', stream, entry)
@@ -197,6 +201,7 @@ class Item:
     status: str = ""  # "", "running", "done", "error"
     events: list[dict[str, bytes | str]] = field(default_factory=list)
     dead: dict[str, Any] | None = None  # a dead-letter entry to add
+    release: bool = False  # "settle": this worker took the job's owner key for this entry
 
 
 class Scripts:
@@ -257,7 +262,9 @@ class Scripts:
             else:
                 keys += [k.owner(jid), k.reply(jid), k.job(jid), k.cancel(jid)]
             dead = [x for pair in (it.dead or {}).items() for x in pair]
-            args += [it.mode, it.entry_id, it.first_seq, it.status, len(it.events), len(dead)]
+            release = "1" if it.release else ""
+            args += [it.mode, it.entry_id, it.first_seq, it.status, release]
+            args += [len(it.events), len(dead)]
             for ev in it.events:
                 args += [ev["type"], ev["data"]]
             args += dead

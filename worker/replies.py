@@ -1,4 +1,10 @@
-"""Re-running a job whose reply stream already holds tokens, without showing duplicates.
+"""From engine outputs to a job's reply events, resume included.
+
+Every event a worker writes for a running job is made here: token events from the
+engine's deltas, the final `done` or `error`, and, when a job is re-run, only what its
+reply stream does not already hold.
+
+Re-running a job whose reply stream already holds tokens, without showing duplicates:
 
 A worker that dies mid-job leaves its tokens in the reply stream; the job stays pending
 and another worker runs it again from the start. The reply stream is the record of what
@@ -17,16 +23,44 @@ job without a seed one derived from its job id, so divergence is the rare case.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from tokenq.producer.protocol import (
     TERMINAL_EVENTS,
+    DoneEvent,
+    ErrorEvent,
     Event,
     RestartEvent,
+    Timings,
     TokenEvent,
+    Usage,
     decode_event,
 )
 
+if TYPE_CHECKING:
+    from tokenq.engine.outputs import RequestOutput
+
 Logprobs = list[list[tuple[int, float]]]
+ENGINE_FAILURE = "internal_error"  # the code of a job the engine isolated as failing
+
+
+def wire_logprobs(logprobs: list[dict[int, float]] | None) -> Logprobs | None:
+    """The engine's per-token {id: logprob} as the wire's pairs, best first."""
+    if logprobs is None:
+        return None
+    return [sorted(top.items(), key=lambda kv: -kv[1]) for top in logprobs]
+
+
+def cancelled_before_start(history: ReplyHistory, waited: float, metadata: Any) -> DoneEvent:
+    """The end of a job cancelled before any worker ran it (an earlier run may have)."""
+    return DoneEvent(
+        text=history.text,
+        finish_reason="cancelled",
+        token_ids=history.token_ids,
+        usage=Usage(0, len(history.token_ids)),
+        timings=Timings(queue_time=waited, total=waited),
+        metadata=metadata,
+    )
 
 
 @dataclass
@@ -92,6 +126,29 @@ class Continuation:
             return []
         self._verifying = False
         return self._token_event(p, len(self.text) - len(self._published_text))
+
+    def translate(self, out: RequestOutput, metadata: Any) -> list[Event]:
+        """The events one engine output owes the client: its tokens (what an earlier run
+        published left out), then, if it finished, the `done` or, when the engine
+        isolated this job as the one breaking its steps, the `error`."""
+        events = self.feed(
+            out.new_token_ids, out.new_text, wire_logprobs(out.logprobs), out.finished
+        )
+        if not out.finished:
+            return events
+        if out.finish_reason == "error":
+            message = out.error or "the engine failed on this job"
+            return [*events, ErrorEvent(ENGINE_FAILURE, message, metadata)]
+        m = out.metrics
+        done = DoneEvent(
+            text=out.text if out.text is not None else self.text,
+            finish_reason=out.finish_reason or "stop",
+            token_ids=self.token_ids,
+            usage=Usage(out.prompt_tokens, out.completion_tokens),
+            timings=Timings(m.queue_time, m.ttft, m.e2e),
+            metadata=metadata,
+        )
+        return [*events, done]
 
     def _token_event(self, index: int, text_len: int) -> list[Event]:
         if index == len(self.token_ids) and text_len == 0:

@@ -1,0 +1,104 @@
+"""tokenq installs as one package, `tokenq`, and its command fails in one clear line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+from tests.faults import free_port
+from tokenq.engine.sampling_params import SamplingParams
+from tokenq.producer import protocol
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_wheel_holds_one_top_level_package_that_imports_the_same_way(tmp_path: Path) -> None:
+    # Built from a copy: setuptools leaves a build/ folder behind in the tree it builds.
+    src = tmp_path / "src"
+    for part in ("tokenq", "engine", "worker", "producer", "kernels"):
+        shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(src)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("tokenq-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    info = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+    assert zipfile.ZipFile(wheel).read(info).decode().split() == ["tokenq"]
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"tokenq"}
+    assert "tokenq/kernels/cpu_ops.c" in names
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
+         str(wheel)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    script = textwrap.dedent(
+        """
+        import sys
+        import tokenq, tokenq.engine, tokenq.worker.loop, tokenq.kernels.cpu_ops
+        from tokenq import AsyncClient, Client, JobFailed, QueueFull
+        from tokenq.engine import LLM, SamplingParams
+        assert tokenq.engine.__file__.startswith(sys.argv[1]), tokenq.engine.__file__
+        assert not {"engine", "worker", "producer", "kernels"} & set(sys.modules)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(site)],
+        cwd=tmp_path,  # away from the repository's own folders
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+NO_TORCH = """
+import sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith(("torch.", "triton")):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoTorch())
+"""
+
+
+def test_a_client_only_install_says_what_to_install_for_worker_commands() -> None:
+    for command in ("worker", "demo", "bench"):
+        script = NO_TORCH + f"import tokenq.cli; sys.exit(tokenq.cli.main([{command!r}]))"
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"tokenq {command}: torch is not installed: pip install 'tokenq[worker]'"
+        ]
+
+
+def test_submit_to_a_redis_that_does_not_answer_prints_one_line() -> None:
+    url = f"redis://user:secret@127.0.0.1:{free_port()}/0"
+    script = (
+        "import sys, tokenq.cli; "
+        f"sys.exit(tokenq.cli.main(['submit', 'hi', '--redis-url', {url!r}, '--retry-for', '0.2']))"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("tokenq: cannot reach Redis at redis://user:***@127.0.0.1:")
+    assert "secret" not in line
+
+
+def test_the_protocols_sampling_parameters_are_the_engines() -> None:
+    fields = {f for f in SamplingParams.__dataclass_fields__}
+    assert protocol.SAMPLING_PARAMS == fields

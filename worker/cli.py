@@ -1,0 +1,166 @@
+"""The worker's share of the `tokenq` command: `worker`, `demo` and `bench`.
+
+Options and their defaults come from the settings they fill: `EngineConfig` and
+`WorkerConfig` hold the defaults (shown in --help), this module only names the flags; an
+option not given leaves the dataclass default in place. One process per device, no fork:
+CUDA does not survive forking, and one engine already batches everything the device holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import redis
+import structlog
+
+from tokenq.engine.config import EngineConfig
+from tokenq.producer.cli import common_options, option, parse_size
+from tokenq.worker.config import WorkerConfig, default_consumer
+from tokenq.worker.logs import configure_logging
+
+# EngineConfig field -> (parser of the flag's value, help)
+ENGINE_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "model": (str, "alias, GGUF file or HF folder"),
+    "max_num_seqs": (int, "requests batched at once"),
+    "max_num_batched_tokens": (int, "token budget per step"),
+    "block_size": (int, "tokens per KV block"),
+    "num_kv_blocks": (int, "KV pool size in blocks"),
+    "kv_cache_memory": (parse_size, "KV pool size in bytes (2GiB)"),
+    "max_model_len": (int, "context limit"),
+    "attention_backend": (str, "auto, cpu (C kernels), torch or triton"),
+    "device": (str, "auto, cpu, cuda, cuda:1"),
+    "dtype": (str, "auto, float32, float16, bfloat16"),
+    "num_threads": (int, "torch CPU threads"),
+}
+# WorkerConfig field -> (flag, parser, help)
+WORKER_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
+    "consumer": ("--consumer", str, "consumer name; stable names replay their own jobs"),
+    "claim_idle_ms": ("--claim-idle-ms", int, "reclaim jobs idle this long"),
+    "max_deliveries": ("--max-deliveries", int, "dead-letter after this many deliveries"),
+    "grace_period_s": ("--grace-period", float, "seconds to drain on stop"),
+    "reply_ttl_s": ("--reply-ttl", int, "reply stream TTL after the end"),
+    "metrics_interval_s": ("--metrics-interval", float, "seconds between metrics publishes"),
+}
+
+
+def _defaults(config: type) -> dict[str, Any]:
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(config)
+        if f.default is not dataclasses.MISSING
+    }
+
+
+def engine_options(parser: argparse.ArgumentParser) -> None:
+    defaults = _defaults(EngineConfig)
+    for name, (parse, help) in ENGINE_OPTIONS.items():
+        flag = "--" + name.replace("_", "-")
+        option(parser, flag, type=parse, help=f"{help} (default {defaults[name]})")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options that were given; the rest keep EngineConfig's defaults."""
+    return {f: getattr(args, f) for f in ENGINE_OPTIONS if getattr(args, f) is not None}
+
+
+def worker_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The worker options that were given; the rest keep WorkerConfig's defaults."""
+    return {f: getattr(args, f) for f in WORKER_OPTIONS if getattr(args, f) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenq")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    worker = sub.add_parser("worker", help="serve jobs from the job stream")
+    common_options(worker)
+    engine_options(worker)
+    defaults = _defaults(WorkerConfig)
+    for name, (flag, parse, help) in WORKER_OPTIONS.items():
+        shown = defaults.get(name, "host-pid")
+        option(worker, flag, type=parse, dest=name, help=f"{help} (default {shown})")
+    option(worker, "--log-format", default="json", choices=("json", "console"), help="log lines")
+    option(worker, "--log-level", default="info", help="debug, info, warning")
+    worker.set_defaults(run=run_worker)
+
+    demo = sub.add_parser("demo", help="everything in one process, no Redis server needed")
+    option(demo, "--model", default=EngineConfig.model, help="alias, GGUF file or HF folder")
+    option(demo, "--max-tokens", type=int, default=48, help="tokens per answer")
+    demo.set_defaults(run=run_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks: engine, queue, kernels")
+    bench.add_argument("target", choices=("engine", "queue", "kernels"))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
+    bench.set_defaults(run=run_bench)
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+def served_names(model: str) -> frozenset[str]:
+    """What a job's `model` field may say to reach this worker: the alias or path as
+    given, and the file or folder name."""
+    return frozenset({model, Path(model).name})
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from tokenq.engine import LLMEngine
+    from tokenq.worker.loop import Worker
+
+    configure_logging(json=args.log_format == "json", level=args.log_level)
+    log = structlog.get_logger("tokenq.worker")
+    engine_config = EngineConfig(**engine_kwargs(args))
+    log.info("loading model", **engine_kwargs(args))
+    engine = LLMEngine(engine_config)
+    options = worker_kwargs(args)
+    options.setdefault("consumer", default_consumer())
+    config = WorkerConfig(
+        namespace=args.namespace, model_names=served_names(engine_config.model), **options
+    )
+    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_keepalive=True)
+    worker = Worker(engine, conn, config)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        # First signal: drain within the grace period. Second: hand back at once.
+        worker.stop(grace=0 if worker.stopping else None)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    worker.run()
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from tokenq.worker.demo import run_demo as demo
+
+    return demo(model=args.model, max_tokens=args.max_tokens)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.target == "engine":
+        from tokenq.engine.bench import main as bench_engine
+
+        bench_engine(args.args)
+    elif args.target == "kernels":
+        from tokenq.kernels.bench import run_kernel_bench
+
+        run_kernel_bench()
+    else:
+        from tokenq.worker.bench_queue import main as bench_queue
+
+        bench_queue(args.args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
