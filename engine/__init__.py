@@ -1,7 +1,7 @@
 """The inference engine: model, paged KV pool, scheduler, sampler. No Redis in here.
 
-Names are imported on first use, so ``python -m tokenq.engine.models`` (run before anything
-heavy is needed) does not load the whole engine.
+Names are imported on first use, so ``python -m tokenq.engine.downloads`` (run before
+anything heavy is needed) does not load the whole engine.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from tokenq.engine.config import EngineConfig
+from tokenq.engine.downloads import DEFAULT_MODEL
 from tokenq.engine.hf_reference import build_hf_model, greedy_config
 from tokenq.engine.llm import LLM
 from tokenq.engine.sampling_params import SamplingParams
@@ -81,7 +82,7 @@ def run_hf(model: torch.nn.Module, wl: Workload, batch_size: int, device: torch.
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="tokenq bench engine", description=__doc__)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--workloads", default="W1,W2", help="comma-separated: W1, W2")
     ap.add_argument("--scale", type=int, default=1, help="multiply request counts (GPU runs)")
     ap.add_argument("--hf-batch-size", type=int, default=32)

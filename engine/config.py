@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tokenq.engine.downloads import DEFAULT_MODEL
 
 # model_type values whose weights follow LlamaForCausalLM's layout.
 _LLAMA_LIKE = ("llama", "mistral")
@@ -246,7 +247,7 @@ class EngineConfig:
     fraction of free device memory or (CPU) 2 GiB.
     """
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 16

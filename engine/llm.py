@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from tokenq.engine.config import EngineConfig
+from tokenq.engine.downloads import DEFAULT_MODEL
 from tokenq.engine.llm_engine import LLMEngine
 from tokenq.engine.outputs import RequestOutput
 from tokenq.engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", **config: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self.tokenizer = self.engine.tokenizer
 

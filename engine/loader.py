@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenq.engine import models
+from tokenq.engine import downloads
 from tokenq.engine.config import ModelConfig
 
 GGUF_SUFFIX = ".gguf"
@@ -75,8 +75,8 @@ def resolve_model(name_or_path: str | Path) -> Path:
     """Map a known alias (`smollm2-135m`) to its cached file, fetching it if needed; pass
     `.gguf` files and model folders through."""
     text = str(name_or_path)
-    if text in models.KNOWN_MODELS:
-        return models.ensure_model(text)
+    if text in downloads.KNOWN_MODELS:
+        return downloads.ensure_model(text)
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == GGUF_SUFFIX:
         return path
@@ -84,7 +84,7 @@ def resolve_model(name_or_path: str | Path) -> Path:
         if not (path / "config.json").is_file():
             raise ValueError(f"model folder {path} has no config.json")
         return path
-    known = ", ".join(sorted(models.KNOWN_MODELS))
+    known = ", ".join(sorted(downloads.KNOWN_MODELS))
     if path.exists():
         raise ValueError(f"{path} is neither a .gguf file nor a model folder")
     raise FileNotFoundError(

@@ -59,7 +59,7 @@ def _cpu_id() -> str:
 
 
 def _build_dir() -> Path:
-    from tokenq.engine.models import cache_dir
+    from tokenq.engine.downloads import cache_dir
 
     return cache_dir() / "build"
 

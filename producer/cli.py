@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from tokenq.engine.downloads import DEFAULT_MODEL  # a constant: no torch
 from tokenq.producer.client import DEFAULT_REDIS_URL, Client
 from tokenq.producer.errors import JobFailed, QueueFull
 from tokenq.producer.protocol import (
@@ -74,7 +75,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
-    option(parser, "--model", default="smollm2-135m", help="alias, GGUF file or HF folder")
+    option(parser, "--model", default=DEFAULT_MODEL, help="alias, GGUF file or HF folder")
     option(parser, "--max-num-seqs", type=int, help="requests batched at once")
     option(parser, "--max-num-batched-tokens", type=int, help="token budget per step")
     option(parser, "--block-size", type=int, help="tokens per KV block")
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     option(submit, "--max-backlog", type=int, default=10_000, help="QueueFull beyond this")
 
     demo = sub.add_parser("demo", help="everything in one process, no Redis server needed")
-    option(demo, "--model", default="smollm2-135m", help="alias, GGUF file or HF folder")
+    option(demo, "--model", default=DEFAULT_MODEL, help="alias, GGUF file or HF folder")
     option(demo, "--max-tokens", type=int, default=48, help="tokens per answer")
 
     bench = sub.add_parser("bench", help="benchmarks: engine, queue, kernels")

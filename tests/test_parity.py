@@ -9,6 +9,8 @@ from tokenq.engine.attention import AttentionMetadata
 from tokenq.engine.hf_reference import build_hf_model
 from tokenq.engine.loader import load_checkpoint, resolve_model
 
+from tests.helpers import DEFAULT_MODEL
+
 pytestmark = pytest.mark.slow
 
 CONVERSATIONS = [
@@ -26,13 +28,13 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model="smollm2-135m", device="cpu", dtype="float32", num_kv_blocks=512)
+        EngineConfig(model=DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=512)
     )
 
 
 @pytest.fixture(scope="module")
 def hf_model(engine: LLMEngine) -> torch.nn.Module:
-    cfg, weights = load_checkpoint(resolve_model("smollm2-135m"), torch.float32)
+    cfg, weights = load_checkpoint(resolve_model(DEFAULT_MODEL), torch.float32)
     return build_hf_model(cfg, weights)
 
 
