@@ -46,6 +46,11 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenq"
 
 
+def build_dir() -> Path:
+    """Where compiled kernels are kept (``kernels.cpu_ops.load`` is given this folder)."""
+    return cache_dir() / "build"
+
+
 def model_path(name: str) -> Path:
     """Where the alias's file lives in the cache, whether or not it is there yet."""
     return cache_dir() / _source(name).filename

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from tokenq.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
+from tokenq.engine.downloads import build_dir
 from tokenq.engine.hf_reference import build_hf_model, greedy_config
 from tokenq.engine.loader import load_checkpoint
 from tokenq.kernels import cpu_ops
@@ -237,7 +238,7 @@ def test_triton_backend_gives_the_same_tokens_as_torch(tiny_dir: Path):
     assert run(engine, reqs, params) == torch_run
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+@pytest.mark.skipif(not cpu_ops.available(build_dir()), reason="no C compiler")
 def test_cpu_kernels_give_the_same_tokens_as_torch(tiny_dir: Path):
     """The C forward (fused norms, in-place rotary, C decode attention) against the plain
     torch one, on mixed steps; and auto picks it on a float32 CPU engine."""
