@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_hf:
         from tokenq.engine.loader import load_checkpoint, resolve_model
 
-        model_cfg, weights = load_checkpoint(resolve_model(args.model), eng.dtype)
-        hf = build_hf_model(model_cfg, weights, eng.dtype).to(eng.device)
+        checkpoint = load_checkpoint(resolve_model(args.model), eng.dtype)
+        hf = build_hf_model(checkpoint.config, checkpoint.weights, eng.dtype).to(eng.device)
 
     device_name = (
         torch.cuda.get_device_name(eng.device)

@@ -26,7 +26,7 @@ from tokenq.engine.sampler import SampleResult, sample
 from tokenq.engine.sampling_params import SamplingParams
 from tokenq.engine.scheduler import ScheduledSeq, Scheduler
 from tokenq.engine.sequence import RequestMetrics, RequestState, Sequence
-from tokenq.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from tokenq.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +38,12 @@ class LLMEngine:
         self.dtype = config.resolved_dtype(self.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        path = resolve_model(config.model)
-        self.model_config, weights = load_checkpoint(path, self.dtype)
-        self.tokenizer = load_tokenizer(path)
-        mc = self.model_config
+        checkpoint = load_checkpoint(resolve_model(config.model), self.dtype)
+        if checkpoint.tokenizer is None:
+            raise FileNotFoundError(f"{checkpoint.path} has no tokenizer.json")
+        self.model_config = mc = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        weights = checkpoint.weights
 
         block_size = config.block_size
         bytes_per_block = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
@@ -72,7 +74,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = set(checkpoint.eos_token_ids)
+        del checkpoint
         # Text longer than this cannot tokenize to fewer than max_model_len tokens (None:
         # this tokenizer gives no such bound, so every prompt is tokenized to be measured).
         chars = self.tokenizer.max_token_chars()

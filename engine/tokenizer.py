@@ -168,7 +168,7 @@ class Tokenizer:
 
     def save_pretrained(self, folder: str | Path) -> None:
         """Write `tokenizer.json` + `tokenizer_config.json` (e.g. a GGUF's tokenizer into a
-        safetensors model folder), readable by `load_tokenizer` and by transformers."""
+        safetensors model folder), readable by `loader.load_tokenizer` and by transformers."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(folder / "tokenizer.json"))
@@ -217,14 +217,6 @@ class Tokenizer:
             chat_template=_folder_chat_template(folder, tok_config),
             special_tokens=special,
         )
-
-    @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """The tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata."""
-        from tokenq.engine.loader import gguf_eos_token_ids, read_gguf_metadata
-
-        meta = read_gguf_metadata(path)
-        return cls.from_gguf_metadata(meta, eos_token_ids=gguf_eos_token_ids(meta))
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], eos_token_ids: Sequence[int]) -> Tokenizer:
@@ -282,16 +274,6 @@ class Tokenizer:
             chat_template=meta.get("tokenizer.chat_template"),
             special_tokens=special,
         )
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer of a model: a `.gguf` file or a folder with `tokenizer.json`."""
-    path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        return Tokenizer.from_gguf(path)
-    if path.is_dir():
-        return Tokenizer.from_folder(path)
-    raise FileNotFoundError(f"no tokenizer at {path}: expected a .gguf file or a model folder")
 
 
 def _bos_eos_post_processor(

@@ -57,8 +57,8 @@ def run(engine: LLMEngine, reqs: list[list[int]], params=GREEDY) -> dict[str, li
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    cfg, weights = load_checkpoint(model_dir, torch.float32)
-    hf = build_hf_model(cfg, weights)
+    checkpoint = load_checkpoint(model_dir, torch.float32)
+    hf = build_hf_model(checkpoint.config, checkpoint.weights)
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt]), generation_config=greedy_config(n))
     return out[0, len(prompt) :].tolist()

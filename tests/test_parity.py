@@ -34,8 +34,8 @@ def engine() -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def hf_model(engine: LLMEngine) -> torch.nn.Module:
-    cfg, weights = load_checkpoint(resolve_model(DEFAULT_MODEL), torch.float32)
-    return build_hf_model(cfg, weights)
+    checkpoint = load_checkpoint(resolve_model(DEFAULT_MODEL), torch.float32)
+    return build_hf_model(checkpoint.config, checkpoint.weights)
 
 
 def chat_ids(engine: LLMEngine, text: str) -> list[int]:

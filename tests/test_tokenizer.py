@@ -9,7 +9,8 @@ from typing import Any
 
 import jinja2
 import pytest
-from tokenq.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from tokenq.engine.loader import load_tokenizer
+from tokenq.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from tests.helpers import default_model_path, default_tokenizer
 
