@@ -14,7 +14,7 @@ _EXPORTS = {
     "EngineConfig": "tokenq.engine.config",
     "ModelConfig": "tokenq.engine.config",
     "EngineStats": "tokenq.engine.outputs",
-    "RequestOutput": "tokenq.engine.outputs",
+    "RequestDelta": "tokenq.engine.outputs",
     "InvalidRequest": "tokenq.engine.errors",
     "InvalidTransition": "tokenq.engine.errors",
     "StepFailed": "tokenq.engine.errors",

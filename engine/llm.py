@@ -7,7 +7,7 @@ from typing import Any
 from tokenq.engine.config import EngineConfig
 from tokenq.engine.downloads import DEFAULT_MODEL
 from tokenq.engine.llm_engine import LLMEngine
-from tokenq.engine.outputs import RequestOutput
+from tokenq.engine.outputs import RequestDelta
 from tokenq.engine.sampling_params import SamplingParams
 
 
@@ -22,7 +22,7 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         priorities: list[int] | None = None,
-    ) -> list[RequestOutput]:
+    ) -> list[RequestDelta]:
         """Run every prompt (text, or token ids) to completion, batched; results in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -36,7 +36,7 @@ class LLM:
         self,
         conversations: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
+    ) -> list[RequestDelta]:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         return self._run([{"messages": c} for c in conversations], sampling_params, None)
@@ -46,7 +46,7 @@ class LLM:
         inputs: list[dict[str, Any]],
         sampling_params: SamplingParams | list[SamplingParams] | None,
         priorities: list[int] | None,
-    ) -> list[RequestOutput]:
+    ) -> list[RequestDelta]:
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(inputs)
         base = self.engine.counters["requests_added"]
@@ -54,7 +54,7 @@ class LLM:
         for i, (rid, inp) in enumerate(zip(ids, inputs, strict=True)):
             prio = priorities[i] if priorities else 0
             self.engine.add_request(rid, **inp, params=sampling_params[i], priority=prio)
-        done: dict[str, RequestOutput] = {}
+        done: dict[str, RequestDelta] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:

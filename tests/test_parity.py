@@ -77,11 +77,11 @@ def test_first_step_logits_within_1e3_relative(engine: LLMEngine, hf_model) -> N
             max_seq_len=n,
         )
         with torch.inference_mode():
-            ours = engine.model.forward(
+            ours = engine.model_runner.model.forward(
                 torch.tensor(ids),
                 torch.arange(n),
                 meta,
-                engine.kv_cache,
+                engine.model_runner.kv_cache,
                 torch.tensor([n - 1]),
             )[0]
             ref = hf_model(torch.tensor([ids])).logits[0, -1]

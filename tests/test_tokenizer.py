@@ -10,7 +10,8 @@ from typing import Any
 import jinja2
 import pytest
 from tokenq.engine.loader import load_tokenizer
-from tokenq.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenq.engine.output_processor import IncrementalDetokenizer
+from tokenq.engine.tokenizer import Tokenizer
 
 from tests.helpers import default_model_path, default_tokenizer
 

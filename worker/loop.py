@@ -56,7 +56,7 @@ from tokenq.worker.scripts import Item, Scripts
 
 if TYPE_CHECKING:
     from tokenq.engine.llm_engine import LLMEngine
-    from tokenq.engine.outputs import RequestOutput
+    from tokenq.engine.outputs import RequestDelta
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -77,7 +77,7 @@ class InFlight:
     outbox: list[Event] = field(default_factory=list)  # events not yet published
     status: str = ""  # the job key's next value, sent with the outbox
     dead: dict[str, Any] | None = None  # a dead letter, sent with a final error
-    output: RequestOutput | None = None  # the engine's final output, once finished
+    output: RequestDelta | None = None  # the engine's final output, once finished
 
 
 @dataclass
@@ -545,7 +545,7 @@ class Worker:
             self._collect(out)
         return True
 
-    def _collect(self, out: RequestOutput) -> None:
+    def _collect(self, out: RequestDelta) -> None:
         """Turn one engine delta into the job's events, in its outbox."""
         inf = self.in_flight.get(out.request_id)
         if inf is None:
