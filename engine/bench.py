@@ -52,9 +52,9 @@ def w2(n: int = 64) -> Workload:
 def run_engine(llm: LLM, wl: Workload) -> float:
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in wl.max_tokens]
     start = time.perf_counter()
-    outs = llm.generate(wl.prompts, params)
+    outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params)
     elapsed = time.perf_counter() - start
-    assert sum(o.completion_tokens for o in outs) == wl.useful_tokens
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == wl.useful_tokens
     return elapsed
 
 
