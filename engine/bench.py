@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from tokenq.engine.config import EngineConfig
 from tokenq.engine.downloads import DEFAULT_MODEL
-from tokenq.engine.hf_reference import build_hf_model, greedy_config
+from tokenq.engine.hf_reference import build_hf_model, greedy_config, require_transformers
 from tokenq.engine.llm import LLM
 from tokenq.engine.sampling_params import SamplingParams
 
@@ -92,6 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
+    if not args.no_hf:
+        try:
+            require_transformers()
+        except ModuleNotFoundError as exc:  # before minutes of loading: a line, exit 2
+            print(
+                f"tokenq bench engine: {exc}; or run the engine alone with --no-hf", file=sys.stderr
+            )
+            raise SystemExit(2) from None
 
     overrides = {
         k: v
