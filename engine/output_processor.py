@@ -7,7 +7,7 @@ records token ids; it hands each new token here and gets the request's delta bac
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Ids
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokenq.engine.outputs import RequestDelta
@@ -34,7 +34,7 @@ class IncrementalDetokenizer:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        prompt_token_ids: Ids[int] | None = None,
+        prompt_token_ids: Iterable[int] | None = None,
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
@@ -49,7 +49,7 @@ class IncrementalDetokenizer:
         """All text emitted so far."""
         return "".join(self._pieces)
 
-    def push(self, token_ids: Ids[int]) -> str:
+    def push(self, token_ids: Iterable[int]) -> str:
         """Add generated ids; return the text they completed (possibly "")."""
         out = []
         for token_id in token_ids:
@@ -94,6 +94,8 @@ class OutputState:
 
 
 class OutputProcessor:
+    """The output state of every unfinished request, by request id."""
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, OutputState] = {}
