@@ -19,7 +19,7 @@ COPY worker worker
 COPY tokenq tokenq
 RUN pip install '.[worker]'
 # The default model is baked into the image: workers never download at run time.
-RUN python -m tokenq.engine.models fetch smollm2-135m
+RUN python -m tokenq.engine.downloads fetch
 
 ENTRYPOINT ["tokenq"]
 CMD ["worker"]

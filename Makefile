@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 model: $(STAMP)
-	$(BIN)/python -m tokenq.engine.models fetch smollm2-135m
+	$(BIN)/python -m tokenq.engine.downloads fetch
 
 demo: model
 	$(BIN)/tokenq demo

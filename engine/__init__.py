@@ -1,7 +1,7 @@
 """The inference engine: model, paged KV pool, scheduler, sampler. No Redis in here.
 
-Names are imported on first use, so ``python -m tokenq.engine.models`` (run before anything
-heavy is needed) does not load the whole engine.
+Names are imported on first use, so ``python -m tokenq.engine.downloads`` (run before
+anything heavy is needed) does not load the whole engine.
 """
 
 from __future__ import annotations
@@ -13,8 +13,13 @@ _EXPORTS = {
     "LLM": "tokenq.engine.llm",
     "EngineConfig": "tokenq.engine.config",
     "ModelConfig": "tokenq.engine.config",
+    "DEFAULT_MODEL": "tokenq.engine.downloads",
+    "CompletionOutput": "tokenq.engine.outputs",
     "EngineStats": "tokenq.engine.outputs",
+    "RequestDelta": "tokenq.engine.outputs",
     "RequestOutput": "tokenq.engine.outputs",
+    "TextPrompt": "tokenq.engine.llm",
+    "TokensPrompt": "tokenq.engine.llm",
     "InvalidRequest": "tokenq.engine.errors",
     "InvalidTransition": "tokenq.engine.errors",
     "StepFailed": "tokenq.engine.errors",

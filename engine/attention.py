@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenq.engine.downloads import build_dir
 from tokenq.kernels import cpu_ops
 from tokenq.kernels.reference import TorchAttentionPlan, paged_attention_torch, plan_attention_torch
 
@@ -36,7 +37,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
         return name
     if device.type == "cuda":
         return "triton"
-    return "cpu" if dtype == torch.float32 and cpu_ops.available() else "torch"
+    return "cpu" if dtype == torch.float32 and cpu_ops.available(build_dir()) else "torch"
 
 
 class AttentionBackend:
@@ -44,7 +45,7 @@ class AttentionBackend:
 
     def __init__(self, name: str, device: torch.device, dtype: torch.dtype) -> None:
         self.name = resolve_backend(name, device, dtype)
-        if self.name == "cpu" and not cpu_ops.available():
+        if self.name == "cpu" and not cpu_ops.available(build_dir()):
             raise RuntimeError("attention backend 'cpu' needs the C kernels, which did not build")
         self._triton = None
         if self.name == "triton":

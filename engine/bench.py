@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
 from tokenq.engine.config import EngineConfig
-from tokenq.engine.hf_reference import build_hf_model, greedy_config
+from tokenq.engine.downloads import DEFAULT_MODEL
+from tokenq.engine.hf_reference import build_hf_model, greedy_config, require_transformers
 from tokenq.engine.llm import LLM
 from tokenq.engine.sampling_params import SamplingParams
 
@@ -52,9 +54,9 @@ def w2(n: int = 64) -> Workload:
 def run_engine(llm: LLM, wl: Workload) -> float:
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in wl.max_tokens]
     start = time.perf_counter()
-    outs = llm.generate(wl.prompts, params)
+    outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params)
     elapsed = time.perf_counter() - start
-    assert sum(o.completion_tokens for o in outs) == wl.useful_tokens
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == wl.useful_tokens
     return elapsed
 
 
@@ -82,7 +84,7 @@ def run_hf(model: torch.nn.Module, wl: Workload, batch_size: int, device: torch.
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="tokenq bench engine", description=__doc__)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--workloads", default="W1,W2", help="comma-separated: W1, W2")
     ap.add_argument("--scale", type=int, default=1, help="multiply request counts (GPU runs)")
     ap.add_argument("--hf-batch-size", type=int, default=32)
@@ -92,6 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
+    if not args.no_hf:
+        try:
+            require_transformers()
+        except ModuleNotFoundError as exc:  # before minutes of loading: a line, exit 2
+            print(
+                f"tokenq bench engine: {exc}; or run the engine alone with --no-hf", file=sys.stderr
+            )
+            raise SystemExit(2) from None
 
     overrides = {
         k: v
@@ -110,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_hf:
         from tokenq.engine.loader import load_checkpoint, resolve_model
 
-        model_cfg, weights = load_checkpoint(resolve_model(args.model), eng.dtype)
-        hf = build_hf_model(model_cfg, weights, eng.dtype).to(eng.device)
+        checkpoint = load_checkpoint(resolve_model(args.model), eng.dtype)
+        hf = build_hf_model(checkpoint.config, checkpoint.weights, eng.dtype).to(eng.device)
 
     device_name = (
         torch.cuda.get_device_name(eng.device)

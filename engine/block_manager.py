@@ -5,14 +5,20 @@ list of block ids in position order, any ids at all), so its pages need not be a
 Every operation is O(1) per block touched: free blocks sit in an insertion-ordered dict
 (allocate from the front, free to the back), never a scan over the pool.
 
-Prefix caching: a full block is named by a hash chained over the previous block's hash
-and its own tokens. A freed block keeps that name until it is handed out again, so a later
+Prefix caching: a full block is named by a SHA-256 digest of the previous block's digest and
+its own token ids, so a name stands for every token from the start of the sequence to the
+end of the block. A freed block keeps its name until it is handed out again, so a later
 request with the same prefix picks the block back up and skips that part of its prefill.
+The digest is cryptographic because requests of different users share the cache: with a
+hash anyone can collide on purpose (Python's ``hash`` of a tuple of ints), a crafted prompt
+would be served the KV cache of another user's prefix: wrong output, and a leak.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import struct
+from dataclasses import dataclass
 
 from tokenq.engine.sequence import Sequence
 
@@ -21,8 +27,7 @@ from tokenq.engine.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
-    token_ids: tuple[int, ...] = field(default_factory=tuple)
+    hash: bytes | None = None  # the prefix digest, once the block is full and computed
 
 
 class BlockManager:
@@ -34,7 +39,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: dict[int, None] = dict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # chained hash -> block id
+        self.cached: dict[bytes, int] = {}  # prefix digest -> block id
         self.num_cache_hit_tokens = 0
 
     @property
@@ -48,8 +53,13 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     @staticmethod
-    def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
-        return hash((prev, tokens))
+    def chain_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+        """The digest of a block: its parent's digest (none for the first block) followed by
+        its token ids as 64-bit integers. A fixed-size parent digest and fixed-size ids make
+        the encoding unambiguous, so equal digests mean equal prefixes."""
+        h = hashlib.sha256(parent or b"")
+        h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+        return h.digest()
 
     # -- allocation -------------------------------------------------------------------
 
@@ -59,7 +69,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
-        block.hash, block.token_ids, block.ref_count = None, (), 1
+        block.hash, block.ref_count = None, 1
         return block_id
 
     def _ref(self, block_id: int) -> None:
@@ -82,13 +92,12 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        prev: int | None = None
+        digest: bytes | None = None
         bs = self.block_size
         for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
-            tokens = tuple(seq.token_ids[start : start + bs])
-            prev = self.chain_hash(prev, tokens)
-            block_id = self.cached.get(prev)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            digest = self.chain_hash(digest, seq.token_ids[start : start + bs])
+            block_id = self.cached.get(digest)
+            if block_id is None:
                 break
             hits.append(block_id)
         return hits
@@ -132,12 +141,10 @@ class BlockManager:
         bs = self.block_size
         first = prev_computed // bs
         last = seq.num_computed_tokens // bs  # blocks [first, last) are now full
-        prev = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        parent = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
         for i in range(first, last):
             block = self.blocks[seq.block_table[i]]
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = self.chain_hash(prev, tokens)
             if block.hash is None:
-                block.hash, block.token_ids = h, tokens
-                self.cached.setdefault(h, block.block_id)
-            prev = block.hash
+                block.hash = self.chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+                self.cached.setdefault(block.hash, block.block_id)
+            parent = block.hash

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tokenq.engine.downloads import DEFAULT_MODEL
+
 # model_type values whose weights follow LlamaForCausalLM's layout.
 _LLAMA_LIKE = ("llama", "mistral")
 _QWEN2 = "qwen2"
@@ -246,7 +248,7 @@ class EngineConfig:
     fraction of free device memory or (CPU) 2 GiB.
     """
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 16

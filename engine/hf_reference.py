@@ -1,21 +1,39 @@
-"""Hugging Face transformers on the same weights: the yardstick for parity and benchmarks."""
+"""Hugging Face transformers on the same weights: the yardstick for parity and benchmarks.
+
+A development tool: transformers comes with the ``bench`` extra (and ``dev``), not with the
+worker, and is imported only when a function here is called.
+"""
 
 from __future__ import annotations
+
+import importlib
+from types import ModuleType
 
 import torch
 
 from tokenq.engine.config import ModelConfig
+
+MISSING_TRANSFORMERS = (
+    "transformers is not installed: the reference model needs the 'bench' extra "
+    "(pip install 'tokenq[bench]')"
+)
+
+
+def require_transformers() -> ModuleType:
+    """The transformers module, or ``ModuleNotFoundError`` naming the extra that brings it."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError:
+        raise ModuleNotFoundError(MISSING_TRANSFORMERS, name="transformers") from None
 
 
 def build_hf_model(
     cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
     """A transformers causal LM holding exactly the tensors the engine was given."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf_cfg = cfg.to_hf_config()
-    config = AutoConfig.for_model(**hf_cfg)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    transformers = require_transformers()
+    config = transformers.AutoConfig.for_model(**cfg.to_hf_config())
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = model.load_state_dict(
         {k: v.to(dtype) for k, v in weights.items()}, strict=False
     )
@@ -33,8 +51,6 @@ def build_hf_model(
 def greedy_config(max_new_tokens: int):  # noqa: ANN201 (transformers is imported lazily)
     """Greedy decoding of exactly ``max_new_tokens`` (``min_new_tokens`` would instead forbid
     EOS, and so change the tokens)."""
-    from transformers import GenerationConfig
-
-    return GenerationConfig(
+    return require_transformers().GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
     )

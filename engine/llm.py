@@ -1,61 +1,156 @@
-"""Offline use, in the spirit of vLLM's ``LLM``: give prompts, get finished generations."""
+"""Offline use as vLLM users write it: ``LLM(model).generate(prompts, params)`` runs every
+prompt to completion, batched, and returns vLLM's ``RequestOutput`` per prompt, in order
+(``out.outputs[0].text``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypedDict
 
 from tokenq.engine.config import EngineConfig
+from tokenq.engine.downloads import DEFAULT_MODEL
+from tokenq.engine.errors import InvalidRequest, clip
 from tokenq.engine.llm_engine import LLMEngine
-from tokenq.engine.outputs import RequestOutput
+from tokenq.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
 from tokenq.engine.sampling_params import SamplingParams
 
 
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+# vLLM's prompt forms: text, or a dict holding the text or the token ids.
+PromptType = str | TextPrompt | TokensPrompt
+Message = dict[str, Any]  # {"role": ..., "content": ...}
+
+_PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': list[int]}"
+
+
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", **config: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **config: Any) -> None:
+        """``config``: any ``EngineConfig`` field (``device``, ``max_num_seqs``, ...)."""
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self.tokenizer = self.engine.tokenizer
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        priorities: list[int] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt (text, or token ids) to completion, batched; results in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        return self._run(
-            [{"prompt" if isinstance(p, str) else "prompt_token_ids": p} for p in prompts],
-            sampling_params,
-            priorities,
-        )
+        """Generate for one prompt or a list of them; one ``SamplingParams`` for all, or one
+        per prompt. ``priority``: one per prompt, lower runs first."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        return self._run([_prompt_inputs(p) for p in prompts], sampling_params, priority)
 
     def chat(
         self,
-        conversations: list[dict[str, str]] | list[list[dict[str, str]]],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        return self._run([{"messages": c} for c in conversations], sampling_params, None)
+        """Generate a reply to one conversation (a list of ``{"role", "content"}``
+        messages) or to each of a list of them, through the model's chat template."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]  # type: ignore[list-item]
+        return self._run([{"messages": m} for m in messages], sampling_params, priority)
 
     def _run(
         self,
         inputs: list[dict[str, Any]],
-        sampling_params: SamplingParams | list[SamplingParams] | None,
-        priorities: list[int] | None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
     ) -> list[RequestOutput]:
-        if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params or SamplingParams()] * len(inputs)
+        params = _per_prompt(sampling_params or SamplingParams(), len(inputs), "sampling_params")
+        priorities = _per_prompt(priority or 0, len(inputs), "priority")
         base = self.engine.counters["requests_added"]
         ids = [f"offline-{base + i}" for i in range(len(inputs))]
-        for i, (rid, inp) in enumerate(zip(ids, inputs, strict=True)):
-            prio = priorities[i] if priorities else 0
-            self.engine.add_request(rid, **inp, params=sampling_params[i], priority=prio)
-        done: dict[str, RequestOutput] = {}
+        added: list[str] = []
+        try:
+            for rid, inp, p, prio in zip(ids, inputs, params, priorities, strict=True):
+                self.engine.add_request(rid, **inp, params=p, priority=prio)
+                added.append(rid)
+        except Exception:
+            for rid in added:  # all prompts run, or none
+                self.engine.abort(rid)
+            raise
+        results = {
+            rid: _Result(self._prompt_text(inp), self.engine.requests[rid].prompt_token_ids)
+            for rid, inp in zip(ids, inputs, strict=True)
+        }
         while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[rid] for rid in ids]
+            for delta in self.engine.step():
+                if delta.request_id in results:
+                    results[delta.request_id].add(delta)
+        return [results[rid].output() for rid in ids]
+
+    def _prompt_text(self, inputs: dict[str, Any]) -> str | None:
+        """The prompt as text, as vLLM reports it: the text given, or the rendered chat
+        template; None for token ids."""
+        if "messages" in inputs:
+            return self.tokenizer.apply_chat_template(inputs["messages"])
+        return inputs.get("prompt")
+
+
+class _Result:
+    """A request's deltas gathered into its ``RequestOutput``."""
+
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.logprobs: list[dict[int, float]] = []
+        self.last: RequestDelta | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        self.logprobs += delta.logprobs or []
+        self.last = delta
+
+    def output(self) -> RequestOutput:
+        last = self.last
+        if last is None or not last.finished:
+            raise RuntimeError("the engine stopped before the request finished")
+        completion = CompletionOutput(
+            index=0,
+            text=last.text or "",
+            token_ids=list(last.token_ids or []),
+            finish_reason=last.finish_reason,
+            logprobs=self.logprobs if last.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=last.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=True,
+            metrics=last.metrics,
+            error=last.error,
+        )
+
+
+def _prompt_inputs(prompt: Any) -> dict[str, Any]:
+    """One prompt as ``add_request`` keywords: ``prompt`` or ``prompt_token_ids``."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, dict) and len(prompt) == 1:
+        key = next(iter(prompt))
+        if key in ("prompt", "prompt_token_ids"):
+            return {key: prompt[key]}
+    got = f"a dict with keys {sorted(map(str, prompt))}" if isinstance(prompt, dict) else None
+    got = clip(got or type(prompt).__name__)
+    raise InvalidRequest("invalid_input", f"a prompt is {_PROMPT_FORMS}, got {got}")
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    """One value for every prompt, or a list of exactly one per prompt."""
+    if not isinstance(value, Sequence):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"{name}: {len(value)} values for {n} prompts")
+    return list(value)

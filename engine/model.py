@@ -8,6 +8,7 @@ to know where each request's tokens start, and the metadata below tells it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from tokenq.engine.attention import AttentionBackend, AttentionMetadata
 from tokenq.engine.config import ModelConfig
-from tokenq.kernels import cpu_ops
+from tokenq.kernels import cpu_ops, reference
 
 
 class Linear:
@@ -50,6 +51,22 @@ class LayerWeights:
     post_norm: torch.Tensor
 
 
+@dataclass(frozen=True)
+class FusedOps:
+    """The elementwise work between a layer's matrix products, each op one pass over its
+    rows: a residual add fused into the next RMSNorm, the rotary embedding in place, SiLU
+    fused with its product. Same arguments whatever implements them."""
+
+    add_rms_norm: Callable[..., torch.Tensor]
+    rope: Callable[..., torch.Tensor]
+    silu_mul: Callable[..., torch.Tensor]
+
+
+# The C kernels (float32 on the CPU), and torch ops doing the same on any device and dtype.
+C_OPS = FusedOps(cpu_ops.add_rms_norm_cpu, cpu_ops.rope_cpu, cpu_ops.silu_mul_cpu)
+TORCH_OPS = FusedOps(reference.add_rms_norm_torch, reference.rope_torch, reference.silu_mul_torch)
+
+
 class LlamaModel:
     def __init__(
         self,
@@ -63,6 +80,8 @@ class LlamaModel:
     ) -> None:
         self.cfg = cfg
         self.backend = backend
+        # The cpu backend is the C kernels' one: attention and the fused ops alike.
+        self.ops = C_OPS if backend.name == "cpu" else TORCH_OPS
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
@@ -95,11 +114,6 @@ class LlamaModel:
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.scale = cfg.head_dim**-0.5
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -111,61 +125,25 @@ class LlamaModel:
         """Logits ``[len(logits_indices), vocab]`` for the chosen token positions.
 
         ``kv_cache`` is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``;
-        the new tokens' K/V are written into it before attention reads it.
+        the new tokens' K/V are written into it before attention reads it. Each sublayer's
+        output is added to the residual stream by the next norm (``delta``), and Q and K are
+        rotated in place inside the QKV product, so that the fused ops do each in one pass.
         """
         self.backend.prepare(meta, kv_cache.shape[3])
-        if self.backend.name == "cpu":
-            return self._forward_cpu(input_ids, positions, meta, kv_cache, logits_indices)
-        cfg = self.cfg
-        n = input_ids.shape[0]
-        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = h * d, kvh * d
-        eps = cfg.rms_norm_eps
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x = F.embedding(input_ids, self.embed)
-        attn_out = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
-        for i, layer in enumerate(self.layers):
-            y = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
-            qkv = layer.qkv(y)
-            q = self._rope(qkv[:, :q_size].view(n, h, d), cos, sin)
-            k = self._rope(qkv[:, q_size : q_size + kv_size].view(n, kvh, d), cos, sin)
-            v = qkv[:, q_size + kv_size :].view(n, kvh, d)
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            self.backend.attention(q, k_cache, v_cache, meta, self.scale, attn_out)
-            x = x + layer.o(attn_out.view(n, q_size))
-            y = F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps)
-            gate, up = layer.gate_up(y).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        x = F.rms_norm(x[logits_indices], (x.shape[-1],), self.norm, eps)
-        return self.lm_head(x)
-
-    def _forward_cpu(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: torch.Tensor,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """``forward`` with the C kernels: each residual add fused into the next norm, the
-        rotary embedding applied in place to the QKV product, SiLU fused with its product.
-        Between the matrix products a layer is then a handful of calls, not dozens."""
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.ops
         n = input_ids.shape[0]
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = h * d, kvh * d
         eps = cfg.rms_norm_eps
         x = F.embedding(input_ids, self.embed)
         y = torch.empty_like(x)
-        act = torch.empty(n, cfg.intermediate_size, dtype=x.dtype)
-        attn_out = torch.empty(n, h, d, dtype=x.dtype)
+        act = torch.empty(n, cfg.intermediate_size, dtype=x.dtype, device=x.device)
+        attn_out = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
         delta = None  # the last sublayer's output, not yet added to x
         for i, layer in enumerate(self.layers):
-            cpu_ops.add_rms_norm_cpu(x, delta, layer.input_norm, eps, y)
+            y = ops.add_rms_norm(x, delta, layer.input_norm, eps, y)
             qkv = layer.qkv(y)
-            cpu_ops.rope_cpu(qkv, h + kvh, d, positions, self.cos, self.sin)
+            ops.rope(qkv, h + kvh, d, positions, self.cos, self.sin)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
             self.backend.write_kv(
                 qkv[:, q_size : q_size + kv_size].view(n, kvh, d),
@@ -176,7 +154,7 @@ class LlamaModel:
             )
             q = qkv[:, :q_size].view(n, h, d)
             self.backend.attention(q, k_cache, v_cache, meta, self.scale, attn_out)
-            cpu_ops.add_rms_norm_cpu(x, layer.o(attn_out.view(n, q_size)), layer.post_norm, eps, y)
-            delta = layer.down(cpu_ops.silu_mul_cpu(layer.gate_up(y), act))
-        cpu_ops.add_rms_norm_cpu(x, delta, self.norm, eps, y)
+            y = ops.add_rms_norm(x, layer.o(attn_out.view(n, q_size)), layer.post_norm, eps, y)
+            delta = layer.down(ops.silu_mul(layer.gate_up(y), act))
+        y = ops.add_rms_norm(x, delta, self.norm, eps, y)
         return self.lm_head(y[logits_indices])

@@ -1,4 +1,5 @@
-"""What the engine hands back: per-step deltas and aggregate statistics."""
+"""What the engine hands back: per-step deltas (the step API), finished generations in vLLM's
+shape (the offline ``LLM``), and aggregate statistics."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from tokenq.engine.sequence import RequestMetrics
 
 
 @dataclass
-class RequestOutput:
+class RequestDelta:
     """What one request did in one step (or its final state when ``finished``).
 
     ``new_text`` never contains a stop string or a piece of one that may still complete;
@@ -28,6 +29,33 @@ class RequestOutput:
     token_ids: list[int] | None = None  # all generated ids, set when finished
     # Why the request failed, when finish_reason is "error" (exception type and message,
     # clipped); the other requests of its step were not affected.
+    error: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request, as vLLM's ``CompletionOutput``: ``index`` is
+    its place among the request's ``n`` samples (always 0 here: n is 1)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None  # per token, when asked for
+
+
+@dataclass
+class RequestOutput:
+    """A finished request of ``LLM.generate`` / ``LLM.chat``, as vLLM's ``RequestOutput``:
+    ``out.outputs[0].text`` is the generation. ``prompt`` is the text given (None for token
+    ids); ``metrics`` and ``error`` are tokenq's own."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
     error: str | None = None
 
 

@@ -8,6 +8,10 @@ the running request that comes last in that order (lowest priority, newest) is p
 its blocks are freed and it waits again, keeping its output, to recompute later. Because
 the waiting queue keeps arrival order, a preempted request goes back ahead of everything
 that arrived after it, so nothing starves within a priority level.
+
+The scheduler also keeps the books of a step that ran (``commit``: computed tokens, full
+blocks named for the prefix cache) and estimates how much more work fits
+(``free_capacity``), so that callers pull only what it can take.
 """
 
 from __future__ import annotations
@@ -30,15 +34,16 @@ class ScheduledSeq:
         """A step that reaches the end of the known tokens yields logits for a new one."""
         return self.start + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """How many of the tokens fed are prompt tokens (the rest: output, recomputed)."""
+        return max(0, min(self.start + self.num_tokens, self.seq.num_prompt_tokens) - self.start)
+
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -47,12 +52,16 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int | None = None,
     ) -> None:
+        """``max_model_len`` (tokens a request may reach) defaults to what the pool holds."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len or block_manager.num_blocks * block_manager.block_size
         self.waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
         self.running: list[Sequence] = []
+        self._recent_request_tokens = 256.0  # running mean of prompt + max_tokens, for admission
 
     @property
     def num_waiting(self) -> int:
@@ -63,10 +72,26 @@ class Scheduler:
         return len(self.running)
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new request, and let its size move the admission estimate."""
+        want = seq.num_prompt_tokens + (seq.params.max_tokens or self.max_model_len)
+        self._recent_request_tokens += 0.1 * (
+            min(want, self.max_model_len) - self._recent_request_tokens
+        )
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         heapq.heappush(self.waiting, (seq.sort_key, seq))
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    def free_capacity(self) -> int:
+        """How many more requests to take now: free sequence slots, and KV blocks left
+        after what the queued requests will need, at the recent mean request size."""
+        slots = self.max_num_seqs - len(self.running) - len(self.waiting)
+        bm = self.block_manager
+        queued = sum(bm.blocks_needed(seq.num_tokens + 1) for _, seq in self.waiting)
+        running_growth = len(self.running)  # one block of headroom each
+        spare = bm.num_free_blocks - queued - running_growth
+        per_request = bm.blocks_needed(int(self._recent_request_tokens))
+        return max(0, min(slots, spare // max(1, per_request)))
 
     def remove(self, seq: Sequence) -> None:
         """Take a request out wherever it is (finish, abort) and free its blocks."""
@@ -85,7 +110,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.transition(RequestState.PREEMPTED)
-        self.add(seq)
+        self._enqueue(seq)
         out.preempted.append(seq)
 
     def schedule(self) -> SchedulerOutput:
@@ -93,7 +118,6 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         self.running.sort(key=lambda s: s.sort_key)
-        scheduled_ids: set[int] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -106,7 +130,6 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
-                scheduled_ids.add(id(seq))
                 budget -= n
                 i += 1
 
@@ -128,3 +151,12 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n, computed))
             budget -= n
         return out
+
+    def commit(self, scheduled: list[ScheduledSeq]) -> None:
+        """Book a forward pass that ran: the tokens it fed have their K/V in the cache, and
+        blocks it filled are named for the prefix cache. Only after this does a request
+        count them computed, so a pass that raised leaves every request as it was."""
+        for s in scheduled:
+            prev = s.seq.num_computed_tokens
+            s.seq.num_computed_tokens = s.start + s.num_tokens
+            self.block_manager.commit_full_blocks(s.seq, prev)

@@ -1,17 +1,17 @@
-"""One request inside the engine: its tokens, its lifecycle and its timestamps."""
+"""One request inside the engine: its tokens, its lifecycle and its timestamps.
+
+What it has said as text (detokenizer, stop strings, what was streamed) is the output
+processor's (``output_processor.py``); this is what the scheduler and the model need.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from tokenq.engine.errors import InvalidTransition
 from tokenq.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from tokenq.engine.tokenizer import IncrementalDetokenizer
 
 
 class RequestState(Enum):
@@ -49,7 +49,6 @@ class RequestMetrics:
     arrival: float
     first_scheduled: float | None = None
     first_token: float | None = None
-    last_token: float | None = None
     finished: float | None = None
     token_times: list[float] = field(default_factory=list)
 
@@ -93,11 +92,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     finish_reason: str | None = None
-    detokenizer: IncrementalDetokenizer | None = None
-    text: str = ""
-    emitted_text_len: int = 0
-    num_sent_tokens: int = 0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
     error: str | None = None  # what made the engine fail this request, if it did
 
     def __post_init__(self) -> None:
@@ -139,5 +133,4 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.metrics.first_token is None:
             self.metrics.first_token = now
-        self.metrics.last_token = now
         self.metrics.token_times.append(now)

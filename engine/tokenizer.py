@@ -1,4 +1,4 @@
-"""Tokenization, chat templates and streaming detokenization.
+"""Tokenization and chat templates.
 
 A thin layer over the `tokenizers` library: one `Tokenizer` class whether the vocabulary comes
 from a folder's `tokenizer.json` or from a GGUF file's metadata, so the engine never cares which.
@@ -25,8 +25,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 logger = logging.getLogger(__name__)
-
-_REPLACEMENT_CHAR = "\ufffd"
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3
@@ -168,7 +166,7 @@ class Tokenizer:
 
     def save_pretrained(self, folder: str | Path) -> None:
         """Write `tokenizer.json` + `tokenizer_config.json` (e.g. a GGUF's tokenizer into a
-        safetensors model folder), readable by `load_tokenizer` and by transformers."""
+        safetensors model folder), readable by `loader.load_tokenizer` and by transformers."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(folder / "tokenizer.json"))
@@ -217,14 +215,6 @@ class Tokenizer:
             chat_template=_folder_chat_template(folder, tok_config),
             special_tokens=special,
         )
-
-    @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """The tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata."""
-        from tokenq.engine.loader import gguf_eos_token_ids, read_gguf_metadata
-
-        meta = read_gguf_metadata(path)
-        return cls.from_gguf_metadata(meta, eos_token_ids=gguf_eos_token_ids(meta))
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], eos_token_ids: Sequence[int]) -> Tokenizer:
@@ -282,16 +272,6 @@ class Tokenizer:
             chat_template=meta.get("tokenizer.chat_template"),
             special_tokens=special,
         )
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer of a model: a `.gguf` file or a folder with `tokenizer.json`."""
-    path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        return Tokenizer.from_gguf(path)
-    if path.is_dir():
-        return Tokenizer.from_folder(path)
-    raise FileNotFoundError(f"no tokenizer at {path}: expected a .gguf file or a model folder")
 
 
 def _bos_eos_post_processor(
@@ -426,71 +406,3 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
-
-
-# --- streaming detokenization -----------------------------------------------------------------
-
-# How many prompt tokens to decode in front of the first generated ones: enough context for
-# decoders whose output for a token depends on its neighbour (sentencepiece's leading space).
-_PROMPT_CONTEXT_TOKENS = 5
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into a stream of text deltas.
-
-    Decodes only a small window of recent ids, like vLLM's prefix/read offsets: the window
-    starts at the ids whose text was emitted last (context for the decoder, `_prefix_text`) and
-    `_read` marks where the not-yet-emitted ids begin. A multi-byte character split across
-    tokens decodes to U+FFFD until its last byte arrives, so text ending in U+FFFD is held back.
-    The deltas, plus `flush()` at the end, join to `tokenizer.decode(pushed_ids)`.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: Sequence[int] | None = None,
-        skip_special_tokens: bool = True,
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_token_ids or [])[-_PROMPT_CONTEXT_TOKENS:]
-        self._read = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
-        self._pieces: list[str] = []
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        return "".join(self._pieces)
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        """Add generated ids; return the text they completed (possibly "")."""
-        out = []
-        for token_id in token_ids:
-            self._ids.append(token_id)
-            new_text = self._decode(self._ids)
-            if len(new_text) > len(self._prefix_text) and not new_text.endswith(_REPLACEMENT_CHAR):
-                out.append(new_text[len(self._prefix_text) :])
-                self._advance()
-        return self._emit("".join(out))
-
-    def flush(self) -> str:
-        """At the end of generation: emit what is still held back, even an incomplete char
-        (as U+FFFD, exactly as a full decode renders it)."""
-        delta = self._decode(self._ids)[len(self._prefix_text) :]
-        self._advance()
-        return self._emit(delta)
-
-    def _advance(self) -> None:
-        # The ids before `_read` are never decoded again: drop them, keeping the window small.
-        del self._ids[: self._read]
-        self._read = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
-
-    def _emit(self, delta: str) -> str:
-        if delta:
-            self._pieces.append(delta)
-        return delta
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)

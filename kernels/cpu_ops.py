@@ -1,9 +1,11 @@
 """The C kernels of ``cpu_ops.c``: built once with the system C compiler, called by ctypes.
 
-The library is compiled for the host CPU (``-march=native``) into the tokenq cache, under a
-name that hashes the source, the flags and the CPU, so a cache shared between different
-machines never serves a build for the wrong one. No compiler, or a failed build, leaves
-``load()`` returning None and the engine on its torch path; nothing else depends on it.
+The library is compiled for the host CPU (``-march=native``) into the build folder the caller
+passes to ``load`` (the engine passes its cache's), under a name that hashes the source, the
+flags and the CPU, so a folder shared between different machines never serves a build for the
+wrong one. No compiler, or a failed build, leaves ``load()`` returning None and the engine on
+its torch path; nothing else depends on it. The op functions below call the library that
+``load`` last returned.
 
 ctypes drops the GIL for the call, and the kernels' OpenMP loops run on the libgomp that
 torch already loaded, so they share torch's threads.
@@ -58,15 +60,14 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build_dir() -> Path:
-    from tokenq.engine.models import cache_dir
-
-    return cache_dir() / "build"
+_library: ctypes.CDLL | None = None  # what the op functions call
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled library, building it on first use; None where it cannot be built."""
+def load(build_dir: Path) -> ctypes.CDLL | None:
+    """The compiled library from ``build_dir``, building it there on first use; None where it
+    cannot be built."""
+    global _library
     if os.environ.get("TOKENQ_DISABLE_CPU_OPS"):
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -76,7 +77,7 @@ def load() -> ctypes.CDLL | None:
     key = hashlib.sha256(
         b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), _cpu_id().encode()])
     ).hexdigest()[:16]
-    target = _build_dir() / f"cpu_ops-{key}.so"
+    target = Path(build_dir) / f"cpu_ops-{key}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -92,11 +93,12 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = None
+    _library = lib
     return lib
 
 
-def available() -> bool:
-    return load() is not None
+def available(build_dir: Path) -> bool:
+    return load(build_dir) is not None
 
 
 def _f32(t: torch.Tensor, name: str) -> int:
@@ -112,10 +114,9 @@ def _contiguous(t: torch.Tensor, name: str) -> int:
 
 
 def _lib() -> ctypes.CDLL:
-    lib = load()
-    if lib is None:
-        raise RuntimeError("the CPU kernels are not built (no C compiler, or the build failed)")
-    return lib
+    if _library is None:
+        raise RuntimeError("the CPU kernels are not loaded: load(build_dir) first")
+    return _library
 
 
 def paged_attention_cpu(

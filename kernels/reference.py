@@ -1,7 +1,9 @@
-"""Plain torch paged attention and KV-cache writes.
+"""Plain torch paged attention, KV-cache writes, and the elementwise ops of a layer.
 
-This is the engine's attention on the CPU and the reference every Triton kernel in this
-package is tested against. Layout (shared with the kernels, read in place, never copied
+This is the engine's attention on the CPU where the C kernels do not build, the reference
+every Triton kernel in this package is tested against, and the fallback for what
+``cpu_ops`` fuses (the ``*_torch`` ops at the end take the same arguments as its ``*_cpu``
+ones). Layout (shared with the kernels, read in place, never copied
 into another layout):
 
 - ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer.
@@ -178,3 +180,43 @@ def paged_attention_torch(
             )
         out[c.start : c.end] = o.transpose(0, 1).to(out.dtype)
     return out
+
+
+def add_rms_norm_torch(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``rms_norm(x + delta) * weight``, with ``x`` updated in place to ``x + delta``.
+
+    Returns a new tensor: ``out`` is the scratch the fused op writes into, unused here.
+    """
+    if delta is not None:
+        x.add_(delta)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rope_torch(
+    x: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate the first ``num_heads`` heads of each row of ``x`` in place (rotate-half), with
+    the rows of the ``cos``/``sin`` tables that ``positions`` pick."""
+    heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    half = head_dim // 2
+    rotated = torch.cat([-heads[..., half:], heads[..., :half]], dim=-1)
+    heads.copy_(heads * c + rotated * s)
+    return x
+
+
+def silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for rows ``[gate | up]`` (a new tensor; ``out`` is unused)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -10,12 +10,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from tokenq.engine.checkpoint import expected_weight_shapes
 from tokenq.engine.config import ModelConfig
-from tokenq.engine.loader import expected_weight_shapes
-from tokenq.engine.models import ensure_model
-from tokenq.engine.tokenizer import Tokenizer, load_tokenizer
-
-DEFAULT_MODEL = "smollm2-135m"
+from tokenq.engine.downloads import DEFAULT_MODEL, ensure_model
+from tokenq.engine.loader import load_tokenizer
+from tokenq.engine.tokenizer import Tokenizer
 
 # A Llama small enough to run in milliseconds, with the default model's real vocabulary so
 # prompts can be text. GQA (4 query heads over 2 KV heads) on purpose.

@@ -129,3 +129,34 @@ def test_exhaustion_is_reported_not_raised() -> None:
     seq = make_seq([1] * 9)
     assert not bm.grow(seq, 9)
     assert seq.block_table == [] and bm.num_free_blocks == 2
+
+
+def computed(bm: BlockManager, tokens: list[int], n: int) -> Sequence:
+    """A request whose tokens all went through a forward pass: its full blocks are cached."""
+    seq = make_seq(tokens, n)
+    hits = bm.match_prefix(seq)
+    bm.allocate_prefix(seq, hits)
+    assert bm.grow(seq, seq.num_tokens)
+    prev, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_tokens
+    bm.commit_full_blocks(seq, prev)
+    return seq
+
+
+def test_blocks_whose_python_hashes_collide_never_share_a_cache_entry() -> None:
+    """Python hashes an int modulo 2**61 - 1, so x and x + 2**61 - 1 collide, and a tuple's
+    hash is a function of its items' hashes: blocks that differ in one such id have the same
+    ``hash((parent, tokens))`` (the scheme before SHA-256; in-vocabulary collisions can be
+    solved for too). With that name, a prefix [ours | shared] whose first block is cached
+    under the colliding name was served the second block of [theirs | shared]: K/V computed
+    after another user's text."""
+    ours = [5, 5, 5, 5]
+    theirs = [5 + (2**61 - 1), 5, 5, 5]
+    assert theirs != ours and hash((None, tuple(theirs))) == hash((None, tuple(ours)))
+    shared = [7, 7, 7, 7]
+    bm = BlockManager(8, BLOCK)
+    mine = computed(bm, ours + [1, 2, 3, 4, 0], 0)  # caches [ours]
+    other = computed(bm, theirs + shared + [0], 1)  # caches [theirs], [theirs | shared]
+    assert len(bm.cached) == 4  # four different prefixes, four entries
+    again = make_seq(ours + shared + [0], 2)
+    assert bm.match_prefix(again) == mine.block_table[:1]  # ours is a hit; shared is not
+    assert other.block_table[1] not in bm.match_prefix(again)

@@ -9,6 +9,7 @@ import torch
 
 from tests.helpers import make_tiny_llama_dir
 from tokenq.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
+from tokenq.engine.downloads import build_dir
 from tokenq.engine.hf_reference import build_hf_model, greedy_config
 from tokenq.engine.loader import load_checkpoint
 from tokenq.kernels import cpu_ops
@@ -56,8 +57,8 @@ def run(engine: LLMEngine, reqs: list[list[int]], params=GREEDY) -> dict[str, li
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    cfg, weights = load_checkpoint(model_dir, torch.float32)
-    hf = build_hf_model(cfg, weights)
+    checkpoint = load_checkpoint(model_dir, torch.float32)
+    hf = build_hf_model(checkpoint.config, checkpoint.weights)
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt]), generation_config=greedy_config(n))
     return out[0, len(prompt) :].tolist()
@@ -237,7 +238,7 @@ def test_triton_backend_gives_the_same_tokens_as_torch(tiny_dir: Path):
     assert run(engine, reqs, params) == torch_run
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+@pytest.mark.skipif(not cpu_ops.available(build_dir()), reason="no C compiler")
 def test_cpu_kernels_give_the_same_tokens_as_torch(tiny_dir: Path):
     """The C forward (fused norms, in-place rotary, C decode attention) against the plain
     torch one, on mixed steps; and auto picks it on a float32 CPU engine."""
@@ -354,14 +355,14 @@ def assert_only_the_poison_failed(done: dict, alone: list[list[int]], error: str
 
 
 def fail_forward_when(engine: LLMEngine, monkeypatch, fails) -> None:
-    forward = engine.model.forward
+    forward = engine.model_runner.model.forward
 
     def poisoned(input_ids, positions, *rest):
         if fails(input_ids, positions):
             raise RuntimeError("poisoned batch")
         return forward(input_ids, positions, *rest)
 
-    monkeypatch.setattr(engine.model, "forward", poisoned)
+    monkeypatch.setattr(engine.model_runner.model, "forward", poisoned)
 
 
 @pytest.mark.parametrize("when", ["prefill", "decode"])
@@ -386,24 +387,24 @@ def test_a_request_whose_forward_pass_raises_fails_alone(tiny_dir: Path, monkeyp
 def test_a_request_whose_token_processing_raises_fails_alone(
     tiny_dir: Path, monkeypatch, stage: str
 ):
-    from tokenq.engine import llm_engine
+    from tokenq.engine import model_runner
 
     reqs = prompts(5)
     alone = alone_tokens(tiny_dir, reqs)
     engine = make_engine(tiny_dir)
     add_beside(engine, reqs, [300, POISON, 301])
     if stage == "sampling":
-        real_sample = llm_engine.sample
+        real_sample = model_runner.sample
 
         def sample(logits, params, prompts_, *rest):
             if any(POISON in p for p in prompts_):
                 raise ValueError("no token for this row")
             return real_sample(logits, params, prompts_, *rest)
 
-        monkeypatch.setattr(llm_engine, "sample", sample)
+        monkeypatch.setattr(model_runner, "sample", sample)
         error, tokens = "ValueError: no token for this row", 0
     else:  # the third token of the poison request cannot be decoded
-        detokenizer = engine.requests["poison"].detokenizer
+        detokenizer = engine.output_processor.states["poison"].detokenizer
         real_push, pushed = detokenizer.push, []
 
         def push(ids):
@@ -461,7 +462,8 @@ def test_after_step_failed_aborting_everything_frees_the_whole_kv_pool(tiny_dir:
     for request_id in list(engine.requests):
         assert engine.abort(request_id).finish_reason == "cancelled"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.has_unfinished() and not engine.scheduler.has_work()
+    assert not engine.has_unfinished()
+    assert not (engine.scheduler.waiting or engine.scheduler.running)
 
 
 def test_a_lone_request_whose_forward_pass_raises_ends_with_error(tiny_dir: Path, monkeypatch):

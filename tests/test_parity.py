@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import DEFAULT_MODEL
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenq.engine.attention import AttentionMetadata
 from tokenq.engine.hf_reference import build_hf_model
@@ -27,14 +28,14 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model="smollm2-135m", device="cpu", dtype="float32", num_kv_blocks=512)
+        EngineConfig(model=DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=512)
     )
 
 
 @pytest.fixture(scope="module")
 def hf_model(engine: LLMEngine) -> torch.nn.Module:
-    cfg, weights = load_checkpoint(resolve_model("smollm2-135m"), torch.float32)
-    return build_hf_model(cfg, weights)
+    checkpoint = load_checkpoint(resolve_model(DEFAULT_MODEL), torch.float32)
+    return build_hf_model(checkpoint.config, checkpoint.weights)
 
 
 def chat_ids(engine: LLMEngine, text: str) -> list[int]:
@@ -76,11 +77,11 @@ def test_first_step_logits_within_1e3_relative(engine: LLMEngine, hf_model) -> N
             max_seq_len=n,
         )
         with torch.inference_mode():
-            ours = engine.model.forward(
+            ours = engine.model_runner.model.forward(
                 torch.tensor(ids),
                 torch.arange(n),
                 meta,
-                engine.kv_cache,
+                engine.model_runner.kv_cache,
                 torch.tensor([n - 1]),
             )[0]
             ref = hf_model(torch.tensor([ids])).logits[0, -1]

@@ -11,7 +11,9 @@ import jinja2
 import pytest
 
 from tests.helpers import default_model_path, default_tokenizer
-from tokenq.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from tokenq.engine.loader import load_tokenizer
+from tokenq.engine.output_processor import IncrementalDetokenizer
+from tokenq.engine.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

@@ -115,9 +115,10 @@ def connect(url: str) -> Any:
 def main(argv: list[str] | None = None) -> None:
     from tokenq.engine import EngineConfig, LLMEngine
     from tokenq.engine.bench import w1
+    from tokenq.engine.downloads import DEFAULT_MODEL
 
     ap = argparse.ArgumentParser(prog="tokenq bench queue", description=__doc__)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)

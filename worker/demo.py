@@ -14,6 +14,7 @@ import time
 
 import fakeredis
 
+from tokenq.engine.downloads import DEFAULT_MODEL
 from tokenq.producer.client import Client, make_request
 from tokenq.producer.protocol import DoneEvent, ErrorEvent, RestartEvent, TokenEvent
 from tokenq.worker.config import WorkerConfig
@@ -59,7 +60,7 @@ class LiveView:
         self.drawn = True
 
 
-def run_demo(model: str = "smollm2-135m", max_tokens: int = 48) -> int:
+def run_demo(model: str = DEFAULT_MODEL, max_tokens: int = 48) -> int:
     from tokenq.engine import EngineConfig, LLMEngine
     from tokenq.worker.loop import Worker
 

@@ -54,7 +54,7 @@ from tokenq.worker.scripts import Item, Scripts
 
 if TYPE_CHECKING:
     from tokenq.engine.llm_engine import LLMEngine
-    from tokenq.engine.outputs import RequestOutput
+    from tokenq.engine.outputs import RequestDelta
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
@@ -75,7 +75,7 @@ class InFlight:
     outbox: list[Event] = field(default_factory=list)  # events not yet published
     status: str = ""  # the job key's next value, sent with the outbox
     dead: dict[str, Any] | None = None  # a dead letter, sent with a final error
-    output: RequestOutput | None = None  # the engine's final output, once finished
+    output: RequestDelta | None = None  # the engine's final output, once finished
 
 
 @dataclass
@@ -536,7 +536,7 @@ class Worker:
             self._collect(out)
         return True
 
-    def _collect(self, out: RequestOutput) -> None:
+    def _collect(self, out: RequestDelta) -> None:
         """Queue one engine output's events in its job's outbox."""
         inf = self.in_flight.get(out.request_id)
         if inf is None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tokenq.engine.outputs import EngineStats, RequestOutput
+    from tokenq.engine.outputs import EngineStats, RequestDelta
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -58,7 +58,7 @@ class WorkerMetrics:
     request_success_total: Counter[str] = field(default_factory=Counter)  # by finish reason
     request_error_total: Counter[str] = field(default_factory=Counter)  # by error code
 
-    def finished(self, out: RequestOutput, skipped_tokens: int = 0) -> None:
+    def finished(self, out: RequestDelta, skipped_tokens: int = 0) -> None:
         """Account one finished request; `skipped_tokens` were generated (and counted) by
         an earlier run of the same job."""
         m = out.metrics

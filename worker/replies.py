@@ -38,7 +38,7 @@ from tokenq.producer.protocol import (
 )
 
 if TYPE_CHECKING:
-    from tokenq.engine.outputs import RequestOutput
+    from tokenq.engine.outputs import RequestDelta
 
 Logprobs = list[list[tuple[int, float]]]
 ENGINE_FAILURE = "internal_error"  # the code of a job the engine isolated as failing
@@ -127,7 +127,7 @@ class Continuation:
         self._verifying = False
         return self._token_event(p, len(self.text) - len(self._published_text))
 
-    def translate(self, out: RequestOutput, metadata: Any) -> list[Event]:
+    def translate(self, out: RequestDelta, metadata: Any) -> list[Event]:
         """The events one engine output owes the client: its tokens (what an earlier run
         published left out), then, if it finished, the `done` or, when the engine
         isolated this job as the one breaking its steps, the `error`."""

