@@ -1,8 +1,10 @@
 """`tokenq bench queue`: what going through Redis costs, on workload W1.
 
 One engine, two runs of the same requests: straight into the engine, then through the
-queue (producer -> job stream -> worker -> reply streams -> client; the client in a thread
-of this process). Reported: generated tokens per second of each and their ratio, and the
+queue (producer -> job stream -> worker -> reply streams -> client; the client in a process
+of its own, as an application server would be, so that its work does not share this
+process's interpreter lock with the engine; in a thread when the queue is an in-process
+fakeredis). Reported: generated tokens per second of each and their ratio, and the
 time to first token each way with the difference at the median and p99. Prefix caching is
 off so that no run reuses an earlier run's prompts.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import threading
 import time
 import uuid
@@ -59,29 +62,60 @@ def run_direct(engine: Any, prompts: list[list[int]], params: dict[str, Any]) ->
 def run_queue(
     engine: Any, conn: Any, namespace: str, prompts: list[list[int]], params: dict[str, Any]
 ) -> RunResult:
-    """The worker runs in the main thread, as `tokenq worker` does (torch is measurably
-    slower in a secondary thread); the client runs beside it in a thread."""
+    """The worker runs in the main thread, as `tokenq worker` does; the client beside it."""
     from tokenq.worker.loop import Worker
 
     worker = Worker(engine, conn, WorkerConfig(namespace=namespace, block_ms=5))
-    client = Client(conn, namespace=namespace)
     outcome: dict[str, Any] = {}
+    url = _url_of(conn)
+    if url is None:  # fakeredis: the client must share this process
 
-    def client_side() -> None:
-        try:
-            outcome["result"] = stream_jobs(client, prompts, params)
-        except BaseException as exc:  # re-raised in the main thread
-            outcome["error"] = exc
-        finally:
+        def client_side() -> None:
+            try:
+                outcome["result"] = stream_jobs(Client(conn, namespace=namespace), prompts, params)
+            except BaseException as exc:  # re-raised in the main thread
+                outcome["error"] = exc
+            finally:
+                worker.stop(grace=0)
+
+        waiter = threading.Thread(target=client_side, daemon=True)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        results = ctx.SimpleQueue()
+        proc = ctx.Process(target=_client_process, args=(url, namespace, prompts, params, results))
+        proc.start()
+
+        def client_side() -> None:
+            outcome.update(results.get())
             worker.stop(grace=0)
 
-    thread = threading.Thread(target=client_side, daemon=True)
-    thread.start()
+        waiter = threading.Thread(target=client_side, daemon=True)
+    waiter.start()
     worker.run()
-    thread.join()
+    waiter.join()
     if "error" in outcome:
-        raise outcome["error"]
+        raise (
+            RuntimeError(outcome["error"])
+            if isinstance(outcome["error"], str)
+            else outcome["error"]
+        )
     return outcome["result"]
+
+
+def _url_of(conn: Any) -> str | None:
+    kwargs = conn.connection_pool.connection_kwargs
+    if "host" not in kwargs or type(conn).__module__.startswith("fakeredis"):
+        return None
+    return f"redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+
+
+def _client_process(
+    url: str, namespace: str, prompts: list[list[int]], params: dict[str, Any], results: Any
+) -> None:
+    try:
+        results.put({"result": stream_jobs(Client(url, namespace=namespace), prompts, params)})
+    except BaseException as exc:
+        results.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
 def stream_jobs(client: Client, prompts: list[list[int]], params: dict[str, Any]) -> RunResult:

@@ -1,30 +1,39 @@
-"""The worker: one loop that moves jobs between Redis and the engine.
+"""The worker: moves jobs between Redis and the engine without ever making the engine wait.
 
-Every Redis call is in this file, where it happens: take jobs (as many as the engine can
-admit), run one engine step, publish the step's events and settle finished entries in one
-script call, keep the entries it holds alive. Delivery is at-least-once; docs/protocol.md
-says how duplicates, crashes, cancellation and poison jobs are handled.
+Three threads, each with one job (docs/design.md, "The worker"):
 
-Redis faults are ordinary here. A call that fails leaves the worker's state as it was: the
-events it meant to publish stay in each job's outbox and go out with the next call (the
-scripts in worker/scripts.py make a re-sent call harmless), in-flight jobs keep running in
-the engine through a short outage, and after any failure the worker re-reads its own
-pending entries (XPENDING + XRANGE, which count no delivery) to find an entry whose
-delivery it never heard of.
+- the engine thread (the caller of `run()`) only steps the engine, through
+  `worker/driver.py`: new requests and aborts are applied between steps, each step's
+  outputs go on a queue;
+- the intake thread takes jobs: it reads as many entries as the engine can admit
+  (XREADGROUP, blocking while idle), claims them (START), tokenizes their prompts and
+  hands them to the engine; it also resyncs after Redis failures and takes over the
+  entries of dead workers (XAUTOCLAIM);
+- the publisher thread turns the engine's outputs into reply events and writes them,
+  settles finished and rejected entries (PUBLISH, one script call for everything owed),
+  keeps this worker's entries alive (heartbeats) and publishes metrics.
+
+Every Redis call is in this file, where it happens. Redis faults are ordinary: a call that
+fails leaves the state as it was (events stay in their job's outbox, and the scripts in
+worker/scripts.py make a re-sent call harmless); in-flight jobs keep running through a
+short outage, and the engine pauses only when the events it owes pass a bound. After any
+failure the worker re-reads its own pending entries (XPENDING + XRANGE, which count no
+delivery) to find an entry whose delivery it never heard of.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import redis
 import structlog
 
-from tokenq.engine.errors import InvalidRequest, StepFailed
 from tokenq.producer.protocol import (
     DONE,
     ERROR,
@@ -33,12 +42,12 @@ from tokenq.producer.protocol import (
     Event,
     JobRequest,
     Keys,
-    clip,
-    encode_event,
+    TokenEvent,
     pack,
     reply_seq,
 )
 from tokenq.worker.config import WorkerConfig
+from tokenq.worker.driver import Add, EngineDriver, Failed, Refused
 from tokenq.worker.intake import (
     Rejection,
     check_model,
@@ -50,7 +59,7 @@ from tokenq.worker.intake import (
 )
 from tokenq.worker.metrics import WorkerMetrics
 from tokenq.worker.replies import Continuation, ReplyHistory, cancelled_before_start
-from tokenq.worker.scripts import Item, Scripts
+from tokenq.worker.scripts import Item, Scripts, event_arg
 
 if TYPE_CHECKING:
     from tokenq.engine.llm_engine import LLMEngine
@@ -58,6 +67,7 @@ if TYPE_CHECKING:
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+WAKE = "wake"  # put on the engine's output queue: the publisher has settlements to send
 
 
 @dataclass
@@ -70,9 +80,8 @@ class InFlight:
     deliveries: int
     continuation: Continuation
     next_seq: int  # the reply stream sequence id of outbox[0]
-    prompt: Future[list[int]] | None = None  # tokenizing off the loop thread
-    in_engine: bool = False
     outbox: list[Event] = field(default_factory=list)  # events not yet published
+    sent: int = 0  # how many of them a publish call has carried (answer pending or lost)
     status: str = ""  # the job key's next value, sent with the outbox
     dead: dict[str, Any] | None = None  # a dead letter, sent with a final error
     output: RequestDelta | None = None  # the engine's final output, once finished
@@ -87,6 +96,42 @@ class Delivery:
     count: int  # times delivered, this one included
 
 
+@dataclass
+class Backoff:
+    """Retry timing for one thread's Redis work while Redis does not answer."""
+
+    cap: float
+    delay: float = 0.0
+    until: float = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.until
+
+    def failed(self) -> float:
+        self.delay = min(max(2 * self.delay, 0.1), self.cap)
+        self.until = time.monotonic() + self.delay
+        return self.delay
+
+    def succeeded(self) -> None:
+        self.delay = 0.0
+
+
+def _append(outbox: list[Event], event: Event, sent: int) -> None:
+    """Queue an event; tokens that follow unpublished tokens join their event. While Redis
+    keeps up every step is published on its own; when it falls behind, each job's pending
+    tokens go out as one event, so publishing costs less per token exactly when it must.
+    The first `sent` events went out in a call whose answer never came: they may be in
+    Redis already under their sequence ids, so nothing joins them."""
+    last = outbox[-1] if len(outbox) > sent else None
+    if isinstance(event, TokenEvent) and isinstance(last, TokenEvent):
+        last.token_ids = last.token_ids + event.token_ids
+        last.text += event.text
+        if last.logprobs is not None and event.logprobs is not None:
+            last.logprobs = last.logprobs + event.logprobs
+    else:
+        outbox.append(event)
+
+
 def _id_key(entry_id: bytes) -> tuple[int, int]:
     ms, _, seq = entry_id.partition(b"-")
     return int(ms), int(seq or 0)
@@ -95,14 +140,16 @@ def _id_key(entry_id: bytes) -> tuple[int, int]:
 class Worker:
     """Drives one engine from one job stream.
 
-    One thread calls `run()` (or `run_once()` in tests); `stop()` may be called from any
-    thread or a signal handler.
+    `run()` serves until `stop()` (which any thread or a signal handler may call). Tests
+    may call `run_once()` instead: one pass of intake, engine and publisher, in turn on
+    the calling thread.
     """
 
     def __init__(
         self, engine: LLMEngine, conn: redis.Redis, config: WorkerConfig | None = None
     ) -> None:
         self.engine = engine
+        self.driver = EngineDriver(engine)
         self.redis = conn
         self.config = c = config or WorkerConfig()
         self.keys = Keys(c.namespace)
@@ -111,18 +158,25 @@ class Worker:
         # The value this process writes into the owner key of each job it runs: a worker
         # that finds another value there has lost the job and must stop writing to it.
         self.fence = f"{c.consumer}:{uuid.uuid4().hex[:12]}".encode()
+        # Shared by the intake and publisher threads, always under the lock.
+        self._lock = threading.Lock()
         self.in_flight: dict[str, InFlight] = {}
         self._settling: list[Item] = []  # entries that end without running, to publish
-        self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="tokenq-prompt")
+        # Intake thread only.
         self._replay_from: bytes | None = b"0-0"  # own pending entries first, then ">"
-        self._resync = False  # after a Redis failure: look for entries we never heard of
         self._group_ready = False
-        self._redis_back_at = 0.0  # while Redis fails: when to try it again
-        self._backoff = 0.0
         self._claim_cursor: bytes = b"0-0"
-        self._next_claim = self._next_heartbeat = self._next_metrics = 0.0
-        self._stop_at: float | None = None
+        self._next_claim = 0.0
+        self._intake_backoff = Backoff(c.max_backoff_s)
+        # Publisher thread only.
+        self._next_heartbeat = self._next_metrics = 0.0
+        self._publish_backoff = Backoff(c.max_backoff_s)
         self._step_failures = 0
+        # Either thread.
+        self._resync = False  # after a Redis failure: look for entries we never heard of
+        self._stop_at: float | None = None
+        self._halt = threading.Event()  # the Redis threads end
+        self._crash: BaseException | None = None
         self.log = structlog.get_logger("tokenq.worker")
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -143,49 +197,56 @@ class Worker:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-
-    def _ensure_group(self) -> None:
-        self.ensure_group()
         self._group_ready = True
 
     def run(self) -> None:
         """Serve until `stop()`, then drain and hand back what did not finish."""
-        self._redis(self._ensure_group)
+        self._redis(self.ensure_group, self._intake_backoff)
         structlog.contextvars.bind_contextvars(consumer=self.config.consumer)
         self.log.info("worker started", stream=self.keys.jobs, group=self.config.group)
+        threads = [
+            threading.Thread(target=self._serve, args=(self._intake_pass,), name="tokenq-intake"),
+            threading.Thread(target=self._serve, args=(self._publish_pass,), name="tokenq-publish"),
+        ]
+        for thread in threads:
+            thread.start()
         try:
             while not self._drained():
-                self.run_once()
+                self.driver.pump(wait=0.05)
+                if self._crash is not None:
+                    raise self._crash
         finally:
+            self._halt.set()
+            self.driver.outputs.put(WAKE)
+            for thread in threads:
+                thread.join()
             self._shutdown()
             self.log.info("worker stopped")
+
+    def _serve(self, one_pass: Callable[[float], None]) -> None:
+        """A Redis thread's loop. A bug must not leave the engine serving without it."""
+        structlog.contextvars.bind_contextvars(consumer=self.config.consumer)
+        try:
+            while not self._halt.is_set():
+                one_pass(0.05)
+        except BaseException as exc:
+            self._crash = exc
+            self._halt.set()
+
+    def run_once(self) -> None:
+        """One pass of intake, engine and publisher, on the calling thread."""
+        self._intake_pass(0.0)
+        self.driver.pump()
+        self._publish_pass(0.0)
 
     def _drained(self) -> bool:
         return self._stop_at is not None and (
             not self.in_flight or time.monotonic() >= self._stop_at
         )
 
-    def run_once(self) -> None:
-        """One iteration: Redis work (while Redis answers), then one engine step, then
-        publish. An engine step never waits for a Redis outage to end."""
-        now = time.monotonic()
-        if now >= self._redis_back_at:
-            self._redis(self._intake)
-        self._admit_prepared()
-        stepped = False
-        if self.engine.has_unfinished() and self._outbox_size() < self.config.max_outbox_events:
-            stepped = self._step()
-        if (self.in_flight or self._settling) and time.monotonic() >= self._redis_back_at:
-            self._redis(self._publish)
-        if not stepped and not self._settling:
-            self._idle()
-        if now >= self._next_metrics and now >= self._redis_back_at:
-            self._next_metrics = now + self.config.metrics_interval_s
-            self._redis(self._publish_metrics)
-
-    def _redis(self, work: Any) -> None:
+    def _redis(self, work: Callable[[], Any], backoff: Backoff) -> bool:
         """Run one piece of Redis work; a failure schedules a retry with backoff and a
-        resync instead of unwinding the loop."""
+        resync instead of unwinding the thread. True if it ran."""
         try:
             work()
         except (*REDIS_ERRORS, redis.ResponseError) as exc:
@@ -193,65 +254,51 @@ class Worker:
                 if "NOGROUP" not in str(exc):
                     raise
                 self._group_ready = False  # Redis came back without our group: make it again
-            self._backoff = min(max(2 * self._backoff, 0.1), self.config.max_backoff_s)
-            self._redis_back_at = time.monotonic() + self._backoff
             self._resync = True
-            self.log.warning("redis unavailable", error=str(exc), retry_in=self._backoff)
-        else:
-            self._backoff = 0.0
+            delay = backoff.failed()
+            self.log.warning("redis unavailable", error=str(exc), retry_in=delay)
+            return False
+        backoff.succeeded()
+        return True
 
-    def _idle(self) -> None:
-        """Nothing was stepped: wait a little instead of spinning. (When Redis answers and
-        the worker can take jobs, XREADGROUP BLOCK has done the waiting already.)"""
-        now = time.monotonic()
-        if now < self._redis_back_at:
-            time.sleep(min(self._redis_back_at - now, self.config.block_ms / 1000))
-        elif self._preparing():
-            time.sleep(0.002)
-        elif self.stopping or self._capacity() <= 0:
-            time.sleep(self.config.block_ms / 1000)
+    # -- intake thread ---------------------------------------------------------------------
 
-    def _outbox_size(self) -> int:
-        return sum(len(inf.outbox) for inf in self.in_flight.values())
+    def _intake_pass(self, block: float) -> None:
+        if not self._intake_backoff.ready():
+            time.sleep(min(block, self._intake_backoff.until - time.monotonic()))
+            return
+        self._redis(lambda: self._intake(block), self._intake_backoff)
 
-    def _preparing(self) -> bool:
-        return any(inf.prompt is not None for inf in self.in_flight.values())
-
-    # -- intake ----------------------------------------------------------------------------
-
-    def _intake(self) -> None:
-        """Resync after a failure, keep our entries alive, take over orphaned entries,
-        then take new ones."""
-        now = time.monotonic()
+    def _intake(self, block: float) -> None:
+        """Resync after a failure, take over orphaned entries, then take new ones."""
         if not self._group_ready:
-            self._ensure_group()
+            self.ensure_group()
         if self._resync:
+            self._resync = False
             self._heartbeat()
             self._take_own_pending()
-            self._resync = False
-        if self.in_flight and now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.config.heartbeat_interval_s
-            self._heartbeat()
         if self.stopping:
+            time.sleep(block)
             return
+        now = time.monotonic()
         if now >= self._next_claim:
             self._next_claim = now + self.config.claim_interval
             self._reclaim()
-        self._admit()
+        self._admit(block)
 
     def _capacity(self) -> int:
-        """Entries to take now: what the engine admits, less jobs still being tokenized;
-        none while the outbox is backed up (Redis is slower than the engine)."""
+        """Entries to take now: what the engine admits; none while the events owed to
+        Redis pile up (Redis is slower than the engine)."""
         if self._outbox_size() >= self.config.max_outbox_events // 2:
             return 0
-        preparing = sum(1 for inf in self.in_flight.values() if inf.prompt is not None)
-        return self.engine.free_capacity() - preparing
+        return self.driver.free_capacity
 
-    def _admit(self) -> None:
+    def _admit(self, block: float) -> None:
         """Pull only what the engine admits now: the rest of the backlog stays in the
         stream for other workers."""
         capacity = self._capacity()
         if capacity <= 0:
+            time.sleep(min(block, 0.005))
             return
         c = self.config
         if self._replay_from is not None:
@@ -267,18 +314,17 @@ class Worker:
             self._replay_from = entries[-1][0]
             self._take(entries, self._delivery_counts([eid for eid, _ in entries]))
             return
-        busy = self.engine.has_unfinished() or bool(self.in_flight) or bool(self._settling)
-        block = None if busy else c.block_ms
+        block_ms = int(block * 1000) if block else None
         started = time.monotonic()
         resp = self.redis.xreadgroup(
-            c.group, c.consumer, {self.keys.jobs: ">"}, count=capacity, block=block
+            c.group, c.consumer, {self.keys.jobs: ">"}, count=capacity, block=block_ms or None
         )
         entries = resp[0][1] if resp else []
         if entries:
             self._take(entries, {})
-        elif block is not None:
+        elif block:
             # fakeredis (the demo) answers BLOCK with COUNT at once: never spin when idle.
-            time.sleep(max(0.0, block / 1000 - (time.monotonic() - started)))
+            time.sleep(max(0.0, block - (time.monotonic() - started)))
 
     def _reclaim(self) -> None:
         """Take over entries of workers that stopped heartbeating (this counts a delivery:
@@ -310,8 +356,9 @@ class Worker:
         rows = self.redis.xpending_range(
             self.keys.jobs, c.group, min="-", max="+", count=10_000, consumername=c.consumer
         )
-        known = {inf.entry_id for inf in self.in_flight.values()}
-        known |= {it.entry_id for it in self._settling}
+        with self._lock:
+            known = {inf.entry_id for inf in self.in_flight.values()}
+            known |= {it.entry_id for it in self._settling}
         unknown = {r["message_id"]: r["times_delivered"] for r in rows}
         unknown = {eid: n for eid, n in unknown.items() if eid not in known}
         if not unknown:
@@ -346,7 +393,8 @@ class Worker:
     def _take(self, entries: list[Entry], counts: dict[bytes, int]) -> None:
         """Parse delivered entries: reject the bad, start the good. `counts` holds the
         delivery count of redelivered entries (absent: a first delivery)."""
-        running = {inf.entry_id for inf in self.in_flight.values()}
+        with self._lock:
+            running = {inf.entry_id for inf in self.in_flight.values()}
         candidates: list[tuple[Delivery, JobRequest]] = []
         for eid, fields in entries:
             if eid in running:
@@ -372,12 +420,14 @@ class Worker:
     def _start(self, candidates: list[tuple[Delivery, JobRequest]]) -> None:
         """Take the owner key and read what the reply stream already holds (one script):
         a worker that ran the job before either wrote before this read (and we see its
-        tokens) or finds our fence in the owner key and writes nothing more."""
+        tokens) or finds our fence in the owner key and writes nothing more. Then
+        tokenize each prompt here, off the engine's thread, and hand the job over."""
         results = self.scripts.start(
             self.fence,
             self.config.running_reply_ttl_s,
             [(job.job_id, d.count == 1) for d, job in candidates],  # type: ignore[misc]
         )
+        adds: list[Add] = []
         for (delivery, job), res in zip(candidates, results, strict=True):
             eid, jid = delivery.entry_id, job.job_id
             assert jid is not None
@@ -401,63 +451,50 @@ class Worker:
                 self._reject(delivery, late, release=True)
             else:
                 next_seq = reply_seq(res.reply[-1][0]) + 1 if res.reply else 1
-                inf = InFlight(
-                    job,
-                    eid,
-                    delivery.fields or {},
-                    delivery.count,
-                    Continuation(history, job.params.get("logprobs") is not None),
-                    next_seq,
-                    prompt=self._tokenizer.submit(
-                        self.engine.encode_prompt,
-                        job.prompt,
-                        prompt_token_ids=job.prompt_token_ids,
-                        messages=job.messages,
-                    ),
-                )
-                self.in_flight[jid] = inf
-                self._job_log(jid).info(
-                    "job started",
-                    entry_id=eid.decode(),
-                    deliveries=delivery.count,
-                    resumed_tokens=len(history.token_ids),
-                )
+                add = self._prepare(delivery, job, history, next_seq)
+                if add is not None:
+                    adds.append(add)
+        self.driver.add(adds)
 
-    def _admit_prepared(self) -> None:
-        """Jobs whose prompt is tokenized go into the engine (or are rejected)."""
-        for jid, inf in list(self.in_flight.items()):
-            if inf.prompt is None or not inf.prompt.done():
-                continue
-            future, inf.prompt = inf.prompt, None
-            rejection = self._add_to_engine(inf, future)
-            if rejection is not None:
-                del self.in_flight[jid]
-                delivery = Delivery(inf.entry_id, inf.fields, inf.deliveries)
-                self._reject(delivery, rejection, release=True)
-            else:
-                inf.in_engine = True
-
-    def _add_to_engine(self, inf: InFlight, prompt: Future[list[int]]) -> Rejection | None:
-        job = inf.job
+    def _prepare(
+        self, delivery: Delivery, job: JobRequest, history: ReplyHistory, next_seq: int
+    ) -> Add | None:
+        """Tokenize the prompt here, off the engine's thread, and book the job in flight."""
         jid = job.job_id
         assert jid is not None
         try:
             with structlog.contextvars.bound_contextvars(job_id=jid):
-                self.engine.add_request(
-                    jid,
-                    prompt_token_ids=prompt.result(),
-                    params=engine_params(job),
-                    priority=job.priority,
-                    arrival_time=to_monotonic(enqueue_time(inf.entry_id)),
-                    deadline=None if job.deadline is None else to_monotonic(job.deadline),
-                )
-        except InvalidRequest as exc:
-            return Rejection(exc.code, exc.message, jid, metadata=job.metadata)
-        except Exception as exc:  # the engine must not take the worker down for one job
-            self._job_log(jid).exception("engine refused the job unexpectedly")
-            message = clip(f"{type(exc).__name__}: {exc}", 300)
-            return Rejection("internal_error", message, jid, metadata=job.metadata)
-        return None
+                ids = self.engine.encode_prompt(job.prompt, job.prompt_token_ids, job.messages)
+        except Exception as exc:  # InvalidRequest: the prompt is bad; else: a bug, isolated
+            code = getattr(exc, "code", "internal_error")
+            message = getattr(exc, "message", f"{type(exc).__name__}: {exc}")
+            rejection = Rejection(code, message, jid, metadata=job.metadata)
+            self._reject(delivery, rejection, release=True)
+            return None
+        inf = InFlight(
+            job,
+            delivery.entry_id,
+            delivery.fields or {},
+            delivery.count,
+            Continuation(history, job.params.get("logprobs") is not None),
+            next_seq,
+        )
+        with self._lock:
+            self.in_flight[jid] = inf
+        self._job_log(jid).info(
+            "job started",
+            entry_id=delivery.entry_id.decode(),
+            deliveries=delivery.count,
+            resumed_tokens=len(history.token_ids),
+        )
+        return Add(
+            jid,
+            ids,
+            engine_params(job),
+            job.priority,
+            to_monotonic(enqueue_time(delivery.entry_id)),
+            None if job.deadline is None else to_monotonic(job.deadline),
+        )
 
     def _cancelled_before_start(
         self, entry_id: bytes, job: JobRequest, history: ReplyHistory
@@ -466,7 +503,7 @@ class Worker:
         done = cancelled_before_start(history, waited, job.metadata)
         self.metrics.request_success_total["cancelled"] += 1
         self._job_log(job.job_id).info("job cancelled before it started")
-        events = [encode_event(done)]
+        events = [event_arg(done)]
         self._settle(Item("settle", entry_id, job.job_id, status=DONE, events=events, release=True))
 
     def _reject(
@@ -483,9 +520,8 @@ class Worker:
         dead = self._dead_letter(delivery, rejection) if rejection.dead_letter else None
         events = []
         if jid is not None:
-            events = [
-                encode_event(ErrorEvent(rejection.code, rejection.message, rejection.metadata))
-            ]
+            error = ErrorEvent(rejection.code, rejection.message, rejection.metadata)
+            events = [event_arg(error)]
         self._settle(Item(mode, eid, jid, status=ERROR, events=events, dead=dead, release=release))
 
     def _dead_letter(self, delivery: Delivery, rejection: Rejection) -> dict[str, Any]:
@@ -512,96 +548,156 @@ class Worker:
         }
 
     def _settle(self, item: Item) -> None:
-        self._settling.append(item)
+        with self._lock:
+            self._settling.append(item)
+        self.driver.outputs.put(WAKE)
 
-    # -- the step --------------------------------------------------------------------------
+    # -- publisher thread ------------------------------------------------------------------
 
-    def _step(self) -> bool:
+    def _publish_pass(self, wait: float) -> None:
+        """Wait for engine outputs (or a settlement to send), turn them into events, and
+        publish everything owed; heartbeats and metrics on their timers."""
+        now = time.monotonic()
+        due = self._next_metrics
+        if self.in_flight:
+            due = min(due, self._next_heartbeat)
+        self._collect_outputs(max(0.0, min(wait, due - now)))
+        if not self._publish_backoff.ready():
+            time.sleep(min(wait, max(0.0, self._publish_backoff.until - time.monotonic())))
+            return
+        if self.in_flight or self._settling:
+            self._redis(self._publish, self._publish_backoff)
+        now = time.monotonic()
+        if self.in_flight and now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_interval_s  # type: ignore[operator]
+            self._redis(self._heartbeat, self._publish_backoff)
+        if now >= self._next_metrics:
+            self._next_metrics = now + self.config.metrics_interval_s
+            self._redis(self._publish_metrics, self._publish_backoff)
+        self.driver.paused = self._outbox_size() >= self.config.max_outbox_events
+
+    def _collect_outputs(self, wait: float) -> None:
+        """Take every output the engine has queued, waiting up to `wait` for the first."""
         try:
-            outputs = self.engine.step()
-        except StepFailed as exc:
-            # Every job of the step failed even alone: the device, not a job, is broken.
-            # What the step finished before failing (deadlines) still goes out.
-            self._step_failures += 1
-            self.log.exception("engine step failed", consecutive=self._step_failures)
-            for out in exc.outputs:
-                self._collect(out)
-            self._redis(self._publish)
-            self._redis(self._hand_back)
-            if self._step_failures >= self.config.max_step_failures:
-                raise
-            return True
-        self._step_failures = 0
-        for out in outputs:
-            self._collect(out)
-        return True
+            first = self.driver.outputs.get(timeout=wait) if wait > 0 else None
+        except queue.Empty:
+            return
+        items = [first] if first is not None else []
+        while True:
+            try:
+                items.append(self.driver.outputs.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if isinstance(item, list):
+                for out in item:
+                    self._collect(out)
+            elif isinstance(item, Refused):
+                self._refused(item)
+            elif isinstance(item, Failed):
+                self._failed(item)
 
     def _collect(self, out: RequestDelta) -> None:
         """Queue one engine output's events in its job's outbox."""
         inf = self.in_flight.get(out.request_id)
         if inf is None:
-            return
-        inf.outbox += inf.continuation.translate(out, inf.job.metadata)
-        if not out.finished:
-            if not inf.status and inf.outbox:
-                inf.status = RUNNING
-            return
-        inf.in_engine = False
-        inf.output = out
-        inf.status = DONE
+            return  # dropped here (taken over, handed back): nothing more to say
+        events = inf.continuation.translate(out, inf.job.metadata)
+        with self._lock:
+            for event in events:
+                _append(inf.outbox, event, inf.sent)
+            if not out.finished:
+                if not inf.status and inf.outbox:
+                    inf.status = RUNNING
+                return
+            inf.output = out
+            inf.status = DONE
         if out.finish_reason == "error":
             # The engine isolated this job as the one that breaks its steps: poison.
-            error = inf.outbox[-1]
+            error = events[-1]
             assert isinstance(error, ErrorEvent)
             rejection = Rejection(error.code, error.message, out.request_id)
-            inf.dead = self._dead_letter(
-                Delivery(inf.entry_id, inf.fields, inf.deliveries), rejection
-            )
+            delivery = Delivery(inf.entry_id, inf.fields, inf.deliveries)
+            inf.dead = self._dead_letter(delivery, rejection)
             inf.status = ERROR
             self.metrics.failed(error.code)
             self._job_log(out.request_id).warning("job failed in the engine", message=error.message)
 
-    # -- publishing ------------------------------------------------------------------------
+    def _refused(self, refused: Refused) -> None:
+        with self._lock:
+            inf = self.in_flight.pop(refused.job_id, None)
+        if inf is None:
+            return
+        rejection = Rejection(
+            refused.code, refused.message, refused.job_id, metadata=inf.job.metadata
+        )
+        self._reject(Delivery(inf.entry_id, inf.fields, inf.deliveries), rejection, release=True)
+
+    def _failed(self, failed: Failed) -> None:
+        """Every job of a step failed even alone: the device, not a job, is broken. What
+        the step finished before failing still goes out; the rest is handed back."""
+        self._step_failures += 1
+        self.log.error("engine step failed", error=failed.error, consecutive=self._step_failures)
+        for out in failed.outputs:
+            self._collect(out)
+        self._redis(self._publish, self._publish_backoff)
+        self._redis(self._hand_back, self._publish_backoff)
+        if self._step_failures >= self.config.max_step_failures:
+            raise RuntimeError(
+                f"{self._step_failures} engine steps failed in a row: {failed.error}"
+            )
+
+    def _outbox_size(self) -> int:
+        with self._lock:
+            return sum(len(inf.outbox) for inf in self.in_flight.values())
 
     def _publish(self) -> None:
         """Write every job's outbox and settle every finished entry in one script call,
         fenced by the owner keys; the answer also says which jobs were cancelled."""
-        jobs = list(self.in_flight.values())
-        settling = list(self._settling)
+        with self._lock:
+            jobs = [(inf, list(inf.outbox), inf.status) for inf in self.in_flight.values()]
+            settling = list(self._settling)
+            for inf, outbox, _ in jobs:
+                inf.sent = len(outbox)
         items = [
             Item(
                 "run",
                 inf.entry_id,
                 inf.job.job_id,
                 inf.next_seq,
-                inf.status,
-                [encode_event(ev) for ev in inf.outbox],
+                status,
+                [event_arg(ev) for ev in outbox],
                 inf.dead,
             )
-            for inf in jobs
+            for inf, outbox, status in jobs
         ]
         c = self.config
         results = self.scripts.publish(
             self.fence, items + settling, c.running_reply_ttl_s, c.reply_ttl_s, c.dead_letter_maxlen
         )
-        del self._settling[: len(settling)]
-        for inf, (outcome, cancelled) in zip(jobs, results, strict=False):
-            jid = inf.job.job_id
-            assert jid is not None
-            if outcome == "lost":
-                self._lose(inf)
-                continue
-            inf.next_seq += len(inf.outbox)
-            inf.outbox = []
-            if inf.status in (DONE, ERROR):
-                del self.in_flight[jid]
-                self._account(inf)
-                continue
-            inf.status = ""
-            if cancelled and inf.in_engine:
-                out = self.engine.abort(jid)
-                if out is not None:
-                    self._collect(out)
+        self._step_failures = 0 if jobs else self._step_failures
+        finished: list[InFlight] = []
+        with self._lock:
+            del self._settling[: len(settling)]
+            for (inf, outbox, status), (outcome, cancelled) in zip(jobs, results, strict=False):
+                jid = inf.job.job_id
+                assert jid is not None
+                if outcome == "lost":
+                    self._lose(inf)
+                    continue
+                inf.next_seq += len(outbox)
+                del inf.outbox[: len(outbox)]
+                inf.sent = 0
+                if status in (DONE, ERROR):
+                    del self.in_flight[jid]
+                    finished.append(inf)
+                    continue
+                if inf.status == status:
+                    inf.status = ""
+                if cancelled and inf.output is None:
+                    self.driver.abort(jid)
+        for inf in finished:
+            self._account(inf)
         for item, (outcome, _) in zip(settling, results[len(jobs) :], strict=True):
             if outcome == "gone":
                 self._job_log(item.job_id).info(
@@ -627,43 +723,44 @@ class Worker:
         )
 
     def _lose(self, inf: InFlight) -> None:
-        """Another worker took this job over (we looked dead): stop without a trace."""
+        """Another worker took this job over (we looked dead): stop without a trace.
+        Called with the lock held."""
         jid = inf.job.job_id
         assert jid is not None
-        self._drop(inf)
-        self._job_log(jid).warning("job taken over by another worker; dropped here")
-
-    def _drop(self, inf: InFlight) -> None:
-        jid = inf.job.job_id
-        assert jid is not None
-        if inf.prompt is not None:
-            inf.prompt.cancel()
-        if inf.in_engine:
-            self.engine.abort(jid)
         self.in_flight.pop(jid, None)
+        self.driver.abort(jid)
+        self._job_log(jid).warning("job taken over by another worker; dropped here")
 
     # -- ownership -------------------------------------------------------------------------
 
     def _heartbeat(self) -> None:
         """Reset the idle time of our entries (no delivery counted) so that other workers'
         XAUTOCLAIM leaves long jobs alone; drop jobs whose entries were taken over."""
-        by_entry = {inf.entry_id: inf for inf in self.in_flight.values()}
-        for eid in self.scripts.keep(list(by_entry)):
-            self._lose(by_entry[eid])
+        with self._lock:
+            by_entry = {inf.entry_id: inf for inf in self.in_flight.values()}
+        gone = self.scripts.keep(list(by_entry))
+        with self._lock:
+            for eid in gone:
+                if by_entry[eid].job.job_id in self.in_flight:
+                    self._lose(by_entry[eid])
 
     def _hand_back(self) -> None:
         """Stop what is in flight without acknowledging it and mark it idle, so the next
         XAUTOCLAIM of any worker takes it at once instead of after claim_idle_ms."""
-        if not self.in_flight:
+        with self._lock:
+            jobs, self.in_flight = list(self.in_flight.values()), {}
+        if not jobs:
             return
-        entries = [inf.entry_id for inf in self.in_flight.values()]
-        self.log.info("handing back unfinished jobs", jobs=list(self.in_flight))
-        for inf in list(self.in_flight.values()):
-            self._drop(inf)
-        self.scripts.keep(entries, idle_ms=self.config.claim_idle_ms)
+        self.log.info("handing back unfinished jobs", jobs=[inf.job.job_id for inf in jobs])
+        for inf in jobs:
+            self.driver.abort(inf.job.job_id)  # type: ignore[arg-type]
+        self.scripts.keep([inf.entry_id for inf in jobs], idle_ms=self.config.claim_idle_ms)
 
     def _shutdown(self) -> None:
-        """Publish what is owed, hand back what did not finish, last metrics."""
+        """On the engine's thread once the Redis threads have ended: take what the engine
+        still had to say, publish what is owed, hand back what did not finish."""
+        self.driver.pump()
+        self._collect_outputs(0.0)
         try:
             if self.in_flight or self._settling:
                 self._publish()
@@ -671,14 +768,12 @@ class Worker:
             self._publish_metrics()
         except redis.RedisError as exc:
             self.log.warning("redis unavailable while stopping", error=str(exc))
-        for inf in list(self.in_flight.values()):
-            self._drop(inf)
-        self._tokenizer.shutdown(wait=False, cancel_futures=True)
+        self.driver.pump()  # apply the aborts of what was handed back
 
     # -- observability ---------------------------------------------------------------------
 
     def _publish_metrics(self) -> None:
-        stats = self.engine.stats()
+        stats = self.driver.stats
         snapshot: dict[str, float] = {
             **self.metrics.snapshot(stats),
             "updated_at": round(time.time(), 3),

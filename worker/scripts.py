@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from tokenq.producer.protocol import Keys
+from tokenq.producer.protocol import DONE, ERROR, RESTART, TOKEN, Event, Keys, pack
 
 # Start jobs: claim the owner key (fencing) and read what the reply stream already holds,
 # in one step, unless the job is finished or (a fresh duplicate entry) runs elsewhere.
@@ -47,30 +47,34 @@ end
 return out
 """
 
-# Write reply events and settle job stream entries.
-#   KEYS[1] the job stream, KEYS[2] the dead-letter stream, then per item: owner key,
-#         reply key, job key, cancel key
-#   ARGV: token, consumer, group, running ttl, reply ttl, dead-letter maxlen, then per item:
-#         mode, entry id, first seq, status, release, #events, #dead-letter values, the
-#         events' type/data pairs, the dead letter's field/value pairs
-#   ->    per item: {outcome, cancelled}
+# Write reply events and settle job stream entries. Called once per engine step with every
+# job's share, so its arguments are compact: each item is one header argument followed by
+# its events (each one argument: a letter for the type, then the msgpack data), and the
+# job's keys are built here from the namespace (tokenq needs one Redis, not a cluster).
+#   KEYS: the job stream, the dead-letter stream
+#   ARGV: token, consumer, group, running ttl, reply ttl, dead-letter maxlen, namespace,
+#         then per item: "mode job entry first status release #events #dead" ("-" for
+#         none), the events, the dead letter's field/value pairs
+#   ->    a string of two characters per item: outcome (o ok, l lost, g gone, k kept) and
+#         whether the job's cancel key is set (0/1)
 # mode "run": a job this worker runs. Fenced by the owner key; events go to their sequence
 #   ids and only those above the stream's last id are written, so a re-sent call adds
 #   nothing. status "running" marks the job started; "done"/"error" is its end: the entry
-#   is acknowledged (XACK, XDEL) with the final event. outcome "ok", or "lost" when another
+#   is acknowledged (XACK, XDEL) with the final event. outcome ok, or lost when another
 #   worker took the job over.
 # mode "settle": an entry that ends without running (rejected, duplicate, cancelled before
-#   it started). Guarded by the entry still being pending for this consumer (else "gone":
+#   it started). Guarded by the entry still being pending for this consumer (else gone:
 #   settled already, or reclaimed by another worker). Its event is written only if the job
-#   has not ended and runs nowhere (else "kept"): one terminal event per job, always. With
+#   has not ended and runs nowhere (else kept): one terminal event per job, always. With
 #   release "1" the entry is one this worker took the job for (the owner key is ours and
 #   ends with it); without, a job whose owner key is ours runs here from another entry.
 # mode "orphan": an entry that Redis already dropped from the pending list (XAUTOCLAIM
 #   reports trimmed entries that way): only its dead letter is written.
 PUBLISH = """
 local token, consumer, group = ARGV[1], ARGV[2], ARGV[3]
-local running_ttl, reply_ttl, dead_maxlen = ARGV[4], ARGV[5], ARGV[6]
+local running_ttl, reply_ttl, dead_maxlen, ns = ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local stream, dead = KEYS[1], KEYS[2]
+local TYPES = {t = 'token', d = 'done', e = 'error', r = 'restart'}
 
 -- The sequence number of the reply stream's last event (0: empty). Workers write ids
 -- 0-1, 0-2, ...; a stream holding other ids (or a key of another type) is foreign, and
@@ -86,20 +90,14 @@ end
 local function append(reply, first, a, n)
   local last = last_seq(reply)
   for k = 0, n - 1 do
-    local t, d = ARGV[a + 2*k], ARGV[a + 2*k + 1]
+    local ev = ARGV[a + k]
+    local t, d = TYPES[string.sub(ev, 1, 1)], string.sub(ev, 2)
     if last < 0 then
       redis.pcall('XADD', reply, '*', 'type', t, 'data', d)
     elseif first + k > last then
       redis.pcall('XADD', reply, '0-' .. (first + k), 'type', t, 'data', d)
     end
   end
-end
-
-local function finish(entry, owner, job, cancel, status)
-  redis.call('SET', job, status, 'XX', 'KEEPTTL')
-  redis.call('DEL', owner, cancel)
-  redis.call('XACK', stream, group, entry)
-  redis.call('XDEL', stream, entry)
 end
 
 local function add_dead(first, n)
@@ -109,17 +107,23 @@ local function add_dead(first, n)
 end
 
 local out = {}
-local a = 7
-for i = 0, (#KEYS - 2) / 4 - 1 do
-  local owner, reply, job, cancel = KEYS[4*i+3], KEYS[4*i+4], KEYS[4*i+5], KEYS[4*i+6]
-  local mode, entry, first, status = ARGV[a], ARGV[a+1], tonumber(ARGV[a+2]), ARGV[a+3]
-  local release = ARGV[a+4] == '1'
-  local nev, ndead = tonumber(ARGV[a+5]), tonumber(ARGV[a+6])
-  local ev = a + 7
-  local dl = ev + 2 * nev
+local a = 8
+while a <= #ARGV do
+  local mode, jid, entry, first, status, release, nev, ndead = string.match(ARGV[a],
+    '^(%S+) (%S+) (%S+) (%d+) (%S+) (%d) (%d+) (%d+)$')
+  first, nev, ndead = tonumber(first), tonumber(nev), tonumber(ndead)
+  if status == '-' then status = '' end
+  local ev = a + 1
+  local dl = ev + nev
   a = dl + ndead
-  local outcome = 'ok'
-  local holder = redis.call('GET', owner)
+  local outcome, cancelled = 'o', 0
+  local owner, reply = ns .. ':owner:' .. jid, ns .. ':reply:' .. jid
+  local job, cancel = ns .. ':job:' .. jid, ns .. ':cancel:' .. jid
+  local holder = false
+  if jid ~= '-' then
+    holder = redis.call('GET', owner)
+    cancelled = redis.call('EXISTS', cancel)
+  end
   if mode == 'run' then
     if holder == token then
       append(reply, first, ev, nev)
@@ -128,24 +132,28 @@ for i = 0, (#KEYS - 2) / 4 - 1 do
         redis.call('EXPIRE', reply, running_ttl)
       elseif status ~= '' then
         redis.call('EXPIRE', reply, reply_ttl)
-        finish(entry, owner, job, cancel, status)
+        redis.call('SET', job, status, 'XX', 'KEEPTTL')
+        redis.call('DEL', owner, cancel)
+        redis.call('XACK', stream, group, entry)
+        redis.call('XDEL', stream, entry)
         add_dead(dl, ndead)
       end
     elseif holder or status == '' or status == 'running' or last_seq(reply) < first + nev - 1 then
       -- (a foreign stream reads as -1: lost, which only stops this worker writing to it)
-      outcome = 'lost'
+      outcome = 'l'
     end
     -- else: the owner key is gone and every event is there: this call's first send
     -- landed (it ended the job) and its reply was lost.
   elseif mode == 'orphan' then
     add_dead(dl, ndead)
   elseif #redis.call('XPENDING', stream, group, entry, entry, 1, consumer) == 0 then
-    outcome = 'gone'
+    outcome = 'g'
   else
-    if nev > 0 then
+    if nev > 0 and jid ~= '-' then
       local state = redis.call('GET', job)
-      if state == 'done' or state == 'error' or (holder and (holder ~= token or not release)) then
-        outcome = 'kept'
+      local elsewhere = holder and (holder ~= token or release ~= '1')
+      if state == 'done' or state == 'error' or elsewhere then
+        outcome = 'k'
       else
         append(reply, last_seq(reply) + 1, ev, nev)
         redis.call('EXPIRE', reply, reply_ttl)
@@ -153,14 +161,14 @@ for i = 0, (#KEYS - 2) / 4 - 1 do
         redis.call('DEL', cancel)
       end
     end
-    if release and holder == token then redis.call('DEL', owner) end
+    if release == '1' and holder == token then redis.call('DEL', owner) end
     add_dead(dl, ndead)
     redis.call('XACK', stream, group, entry)
     redis.call('XDEL', stream, entry)
   end
-  out[i+1] = {outcome, redis.call('EXISTS', cancel)}
+  out[#out + 1] = outcome .. cancelled
 end
-return out
+return table.concat(out)
 """
 
 # Keep entries this consumer still holds: reset their idle time (heartbeat) or set it past
@@ -199,9 +207,18 @@ class Item:
     job_id: str | None
     first_seq: int = 0  # "run": the sequence id of events[0]
     status: str = ""  # "", "running", "done", "error"
-    events: list[dict[str, bytes | str]] = field(default_factory=list)
+    events: list[bytes] = field(default_factory=list)  # event_arg() of each
     dead: dict[str, Any] | None = None  # a dead-letter entry to add
     release: bool = False  # "settle": this worker took the job's owner key for this entry
+
+
+OUTCOMES = {b"o": "ok", b"l": "lost", b"g": "gone", b"k": "kept"}
+TYPE_LETTERS = {TOKEN: b"t", DONE: b"d", ERROR: b"e", RESTART: b"r"}
+
+
+def event_arg(event: Event) -> bytes:
+    """An event as one PUBLISH argument: its type's letter, then its msgpack data."""
+    return TYPE_LETTERS[event.type] + pack(event.to_data())
 
 
 class Scripts:
@@ -245,31 +262,22 @@ class Scripts:
         dead_maxlen: int,
     ) -> list[tuple[str, bool]]:
         """(outcome, cancel requested) per item; see PUBLISH."""
-        k = self.keys
-        keys: list[str] = [k.jobs, k.dead]
-        args: list[Any] = [
-            token,
-            self.consumer,
-            self.group,
-            running_ttl_s,
-            reply_ttl_s,
-            dead_maxlen,
-        ]
+        args: list[Any] = [token, self.consumer, self.group, running_ttl_s, reply_ttl_s]
+        args += [dead_maxlen, self.keys.namespace]
         for it in items:
-            jid = it.job_id
-            if jid is None:  # an unreadable entry: no job keys, only one tokenq never writes
-                keys += [k.void] * 4
-            else:
-                keys += [k.owner(jid), k.reply(jid), k.job(jid), k.cancel(jid)]
             dead = [x for pair in (it.dead or {}).items() for x in pair]
-            release = "1" if it.release else ""
-            args += [it.mode, it.entry_id, it.first_seq, it.status, release]
-            args += [len(it.events), len(dead)]
-            for ev in it.events:
-                args += [ev["type"], ev["data"]]
+            header = (
+                f"{it.mode} {it.job_id or '-'} {it.entry_id.decode()} {it.first_seq} "
+                f"{it.status or '-'} {int(it.release)} {len(it.events)} {len(dead)}"
+            )
+            args.append(header)
+            args += it.events
             args += dead
-        rows = self._publish(keys=keys, args=args)
-        return [(outcome.decode(), bool(cancelled)) for outcome, cancelled in rows]
+        answer = self._publish(keys=[self.keys.jobs, self.keys.dead], args=args)
+        return [
+            (OUTCOMES[answer[i : i + 1]], answer[i + 1 : i + 2] == b"1")
+            for i in range(0, len(answer), 2)
+        ]
 
     def keep(self, entry_ids: Sequence[bytes], idle_ms: int = 0) -> set[bytes]:
         """Heartbeat (idle 0) or hand back (idle = claim time) this consumer's entries;

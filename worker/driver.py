@@ -1,0 +1,160 @@
+"""The engine's side of a worker: one thread that only steps the engine.
+
+Redis work happens on other threads (worker/loop.py). They talk to the engine through
+this driver only: requests and aborts go in as commands, applied between two steps; each
+step's outputs come out on a queue. So the next step starts as soon as the engine's own
+bookkeeping is done, whatever Redis is doing, and the engine is never touched by two
+threads at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenq.engine.errors import InvalidRequest, StepFailed
+from tokenq.producer.protocol import clip
+
+if TYPE_CHECKING:
+    from tokenq.engine.llm_engine import LLMEngine
+    from tokenq.engine.outputs import EngineStats, RequestDelta
+
+
+@dataclass
+class Add:
+    """Start a request: its prompt is tokenized already (off this thread)."""
+
+    job_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    priority: int
+    arrival_time: float  # time.monotonic()
+    deadline: float | None  # time.monotonic()
+
+
+@dataclass
+class Abort:
+    job_id: str
+
+
+@dataclass
+class Refused:
+    """The engine would not take a request (`add_request` raised)."""
+
+    job_id: str
+    code: str
+    message: str
+
+
+@dataclass
+class Failed:
+    """A step failed for every request in it (`StepFailed`): the engine, not a job, is
+    broken. `outputs`: what the step had finished before (deadlines), still owed."""
+
+    outputs: list[RequestDelta]
+    error: str
+
+
+Output = list["RequestDelta"] | Refused | Failed
+
+
+class EngineDriver:
+    """Owns the engine. `pump()` runs on one thread (the process's main thread under
+    `tokenq worker`: torch is measurably slower in a secondary one); `add`, `abort`, the
+    `outputs` queue and the snapshot attributes are for the other threads."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[list[Add] | Abort] = queue.SimpleQueue()
+        self.outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
+        self._sent = 0  # Add commands sent...
+        self._applied = 0  # ...and applied: their difference is admitted work not yet seen
+        # Read by other threads between steps; each is replaced whole, never mutated.
+        self.busy = False  # the engine holds requests
+        self._free = engine.free_capacity()
+        self.stats: EngineStats = engine.stats()
+        # Set by the Redis side while it cannot publish fast enough: no step runs, so the
+        # events waiting to be published stop growing.
+        self.paused = False
+
+    @property
+    def free_capacity(self) -> int:
+        """Requests the engine could admit now, less those sent but not applied yet."""
+        return self._free - (self._sent - self._applied)
+
+    def add(self, commands: list[Add]) -> None:
+        """Start requests; those sent together are applied together, so one step can
+        prefill them all (as a batch submitted straight to the engine would be)."""
+        self._sent += len(commands)
+        self._commands.put(commands)
+
+    def abort(self, job_id: str) -> None:
+        self._commands.put(Abort(job_id))
+
+    def pump(self, wait: float = 0.0) -> bool:
+        """Apply waiting commands, then run one step if the engine holds work. With no
+        work, wait up to `wait` seconds for a command first. True if a step ran."""
+        idle = self.paused or not self.engine.has_unfinished()
+        self._apply(wait if idle else 0.0)
+        self._snapshot()
+        stepped = False
+        if self.engine.has_unfinished() and not self.paused:
+            stepped = True
+            try:
+                outputs = self.engine.step()
+            except StepFailed as exc:
+                cause = exc.__cause__ or exc
+                error = clip(f"{type(cause).__name__}: {cause}", 300)
+                self.outputs.put(Failed(list(exc.outputs), error))
+                for job_id in list(self.engine.requests):
+                    self.engine.abort(job_id)  # handed back by the Redis side
+            else:
+                if outputs:
+                    self.outputs.put(outputs)
+            self._snapshot()
+        return stepped
+
+    def _apply(self, wait: float) -> None:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                left = deadline - time.monotonic()
+                if left > 0:
+                    command = self._commands.get(timeout=left)
+                else:
+                    command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, Abort):
+                out = self.engine.abort(command.job_id)
+                if out is not None:
+                    self.outputs.put([out])
+            else:
+                for add in command:
+                    self._applied += 1
+                    self._start(add)
+            wait = 0.0  # once something came, take only what is already there
+            deadline = time.monotonic()
+
+    def _start(self, add: Add) -> None:
+        try:
+            self.engine.add_request(
+                add.job_id,
+                prompt_token_ids=add.prompt_token_ids,
+                params=add.params,
+                priority=add.priority,
+                arrival_time=add.arrival_time,
+                deadline=add.deadline,
+            )
+        except InvalidRequest as exc:
+            self.outputs.put(Refused(add.job_id, exc.code, exc.message))
+        except Exception as exc:  # the engine must not take the worker down for one job
+            message = clip(f"{type(exc).__name__}: {exc}", 300)
+            self.outputs.put(Refused(add.job_id, "internal_error", message))
+
+    def _snapshot(self) -> None:
+        self.busy = self.engine.has_unfinished()
+        self._free = self.engine.free_capacity()
+        self.stats = self.engine.stats()
