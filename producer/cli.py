@@ -1,4 +1,4 @@
-"""The `tokenq` command: worker, submit, demo, bench.
+"""The `tokenq` command: worker, submit, demo, bench, celery.
 
 Every option also reads an environment variable (``--max-num-seqs`` <- ``TOKENQ_MAX_NUM_SEQS``)
 so containers are configured without a command line. Only `submit` runs without torch: the
@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from tokenq.producer import celery_bridge
 from tokenq.producer.client import DEFAULT_REDIS_URL, Client
 from tokenq.producer.errors import JobFailed, QueueFull
 from tokenq.producer.protocol import (
@@ -143,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     option(demo, "--model", default="smollm2-135m", help="alias, GGUF file or HF folder")
     option(demo, "--max-tokens", type=int, default=48, help="tokens per answer")
 
+    celery_bridge.add_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks: engine, queue, kernels")
     bench.add_argument("target", choices=("engine", "queue", "kernels"))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
@@ -242,6 +245,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "submit": cmd_submit,
     "demo": cmd_demo,
     "bench": cmd_bench,
+    "celery": celery_bridge.main,
 }
 
 
