@@ -41,7 +41,9 @@ from tests.test_worker_support import (
 )
 from tokenq.celery import PROGRESS, generate
 
-pytestmark = pytest.mark.usefixtures("single_torch_thread")
+# On the tests that run a tokenq worker only: the fixture sets torch's (process-wide) thread
+# count on the way out, which a test without an engine has no reason to touch.
+engine_threads = pytest.mark.usefixtures("single_torch_thread")
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 REPO = Path(__file__).resolve().parent.parent
@@ -211,6 +213,7 @@ def test_a_redelivery_after_the_reply_expired_fails_instead_of_waiting(
     assert info.value.code == "reply_expired"
 
 
+@engine_threads
 def test_send_task_gives_the_engines_tokens_and_streams_them_as_progress(
     shared_bridge: tuple[Stack, BridgeProcess],
     tiny_model: Path,  # noqa: F811
@@ -251,6 +254,7 @@ def test_send_task_gives_the_engines_tokens_and_streams_them_as_progress(
     assert reply.done.token_ids == result["token_ids"]
 
 
+@engine_threads
 def test_groups_chains_and_chords_run_through_the_bridge(
     shared: Stack,
     tiny_model: Path,  # noqa: F811
@@ -283,6 +287,7 @@ def test_groups_chains_and_chords_run_through_the_bridge(
     assert summed["token_ids"] == direct_sum.token_ids
 
 
+@engine_threads
 def test_a_bad_request_fails_with_the_tokenq_error_code(shared: Stack) -> None:
     cases = {
         "invalid_params": shared.send(prompt="x", bogus=1),  # refused by the bridge's client
@@ -313,6 +318,7 @@ assert "torch" not in sys.modules
     assert done.returncode == 0, done.stderr
 
 
+@engine_threads
 def test_a_redelivered_task_attaches_to_its_job_even_from_a_new_bridge(
     tiny_model: Path,  # noqa: F811
     redis_url: str,
@@ -363,6 +369,7 @@ def test_a_redelivered_task_attaches_to_its_job_even_from_a_new_bridge(
         drop_stack(stack)
 
 
+@engine_threads
 def test_revoke_cancels_a_waiting_and_a_running_task(
     tiny_model: Path,  # noqa: F811
     redis_url: str,
@@ -404,6 +411,7 @@ def test_revoke_cancels_a_waiting_and_a_running_task(
         drop_stack(stack)
 
 
+@engine_threads
 def test_queue_full_is_retried_then_fails_clearly(
     tiny_model: Path,  # noqa: F811
     redis_url: str,
