@@ -1,5 +1,5 @@
-"""The client's share of the `tokenq` command (`submit`), and the option helpers every
-command uses.
+"""The client's share of the `tokenq` command (`submit`, `celery`), and the option helpers
+every command uses.
 
 Every option also reads an environment variable (``--max-num-seqs`` <- ``TOKENQ_MAX_NUM_SEQS``)
 so containers are configured without a command line. Nothing here needs torch; the worker's
@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 
+from tokenq.producer import celery_bridge
 from tokenq.producer.client import DEFAULT_REDIS_URL, Client, ClientConfig
 from tokenq.producer.errors import JobFailed, QueueFull
 from tokenq.producer.protocol import (
@@ -108,6 +109,7 @@ def add_commands(sub: Any) -> None:
         help="seconds to ride out an unreachable Redis",
     )
     submit.set_defaults(run=cmd_submit)
+    celery_bridge.add_parser(sub)
 
 
 def redacted(url: str) -> str:

@@ -12,19 +12,27 @@ class QueueFull(Exception):
     """
 
     def __init__(self, backlog: int, max_backlog: int) -> None:
-        super().__init__(f"queue full: {backlog} jobs waiting or running (max {max_backlog})")
+        # args are the constructor's arguments: pickle and Celery's JSON result serializer
+        # both rebuild an exception as cls(*args) (a Celery task failing with it, say).
+        super().__init__(backlog, max_backlog)
         self.backlog = backlog
         self.max_backlog = max_backlog
+
+    def __str__(self) -> str:
+        return f"queue full: {self.backlog} jobs waiting or running (max {self.max_backlog})"
 
 
 class JobFailed(Exception):
     """The worker answered the job with an ``error`` event."""
 
     def __init__(self, job_id: str, code: str, message: str) -> None:
-        super().__init__(f"job {job_id} failed: {code}: {message}")
+        super().__init__(job_id, code, message)  # rebuildable from args, as QueueFull
         self.job_id = job_id
         self.code = code
         self.message = message
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} failed: {self.code}: {self.message}"
 
 
 class ClientClosed(Exception):

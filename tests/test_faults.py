@@ -84,6 +84,10 @@ def _span(event: TokenEvent) -> range:
     return range(event.index, event.index + len(event.token_ids))
 
 
+def reply_events(conn: redis.Redis, keys: Keys, job_id: str) -> list[Any]:
+    return [decode_event(i, f) for i, f in conn.xrange(keys.reply(job_id))]
+
+
 def dead_letters(conn: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     return [{k.decode(): v for k, v in f.items()} for _, f in conn.xrange(keys.dead)]
 
@@ -294,7 +298,15 @@ def test_thousands_of_hostile_entries_interleaved_with_good_jobs(
             more = Run.submit(client, 1, 6, tag=f"good among the bad {start}")
             good.jobs += more.jobs
             good.requests += more.requests
-        wait_for(lambda: all(j.status() == "done" for j in good.jobs), timeout=180)
+        try:
+            wait_for(lambda: all(j.status() == "done" for j in good.jobs), timeout=60)
+        except AssertionError:
+            stuck = {
+                j.id: (j.status(), [e.type for e in reply_events(conn, keys, j.id)])
+                for j in good.jobs
+                if j.status() != "done"
+            }
+            raise AssertionError(f"good jobs not done: {stuck}; in flight {list(worker.in_flight)}")
         wait_for(lambda: conn.xlen(keys.jobs) == 0, timeout=60)
         assert runner.alive()  # the same worker, never restarted
     elapsed = time.monotonic() - started
