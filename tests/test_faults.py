@@ -306,7 +306,7 @@ def test_thousands_of_hostile_entries_interleaved_with_good_jobs(
                 for j in good.jobs
                 if j.status() != "done"
             }
-            raise AssertionError(f"good jobs not done: {stuck}; in flight {list(worker.in_flight)}")
+            raise AssertionError(f"not done: {stuck}; in flight {list(worker.in_flight)}") from None
         wait_for(lambda: conn.xlen(keys.jobs) == 0, timeout=60)
         assert runner.alive()  # the same worker, never restarted
     elapsed = time.monotonic() - started
