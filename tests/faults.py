@@ -60,6 +60,7 @@ class RedisServer:
             "--save", "",
             "--appendonly", "yes" if self.aof else "no",
             "--appendfsync", "always",
+            "--enable-debug-command", "yes",  # DEBUG SLEEP: Redis stalls on request
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10

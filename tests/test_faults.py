@@ -511,3 +511,25 @@ def test_a_poison_job_fails_alone_and_its_batch_neighbours_finish(
     dead = sorted(d["job_id"].decode() for d in dead_letters(conn, keys))
     assert dead == sorted([poison.id, *raw])
     client.close()
+
+
+def test_the_engine_keeps_stepping_while_redis_stalls(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Redis frozen for a second (DEBUG SLEEP) while jobs run: the engine steps on through
+    it (its events wait in the outboxes), and every job still ends once, seamlessly."""
+    with RedisServer(tmp_path / "redis", aof=False) as server:
+        client = Client(server.url, namespace="stall")
+        run = Run.submit(client, 8, 400)
+        conn = redis.Redis.from_url(server.url, socket_timeout=5)
+        worker = Worker(make_engine(tiny_model), conn, fast_config("stall", claim_idle_ms=5000))
+        with WorkerThread(worker):
+            wait_for(lambda: min(run.tokens_so_far()) > 20)
+            steps_before = worker.engine.stats().counters["steps"]
+            server.client().execute_command("DEBUG", "SLEEP", "1")  # returns after the stall
+            steps_during = worker.engine.stats().counters["steps"] - steps_before
+            wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
+        assert steps_during >= 20, f"only {steps_during} engine steps while Redis slept 1 s"
+        run.check(tiny_model)
+        client.close()
