@@ -239,7 +239,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def free_capacity(self) -> int:
+    def free_capacity(self, priority: int | None = None) -> int:
         """How many more requests to take now (see ``Scheduler.free_capacity``)."""
         return self.scheduler.free_capacity()
 

@@ -1,7 +1,21 @@
 """The client side of tokenq: submit jobs, read replies. Needs redis and msgpack, no torch."""
 
-from tokenq.producer.client import AsyncClient, AsyncJob, Client, ClientConfig, Job, make_request
-from tokenq.producer.errors import ClientClosed, JobFailed, QueueFull, RedisUnavailable
+from tokenq.producer.client import (
+    AsyncClient,
+    AsyncJob,
+    Client,
+    ClientConfig,
+    Job,
+    ModelInfo,
+    make_request,
+)
+from tokenq.producer.errors import (
+    ClientClosed,
+    JobFailed,
+    QueueFull,
+    RedisUnavailable,
+    UnknownModel,
+)
 from tokenq.producer.protocol import (
     DoneEvent,
     ErrorEvent,
@@ -23,9 +37,11 @@ __all__ = [
     "Job",
     "JobFailed",
     "JobRequest",
+    "ModelInfo",
     "QueueFull",
     "RedisUnavailable",
     "RestartEvent",
     "TokenEvent",
+    "UnknownModel",
     "make_request",
 ]

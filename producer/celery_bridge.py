@@ -31,7 +31,7 @@ from collections.abc import Callable, Container, Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from tokenq.producer.client import DEFAULT_MAX_BACKLOG, Client, Job
+from tokenq.producer.client import Client, Job
 from tokenq.producer.errors import JobFailed, QueueFull, RedisUnavailable
 from tokenq.producer.protocol import (
     PROMPT_FIELDS,
@@ -317,7 +317,10 @@ def serve(args: argparse.Namespace) -> int:
     """Run the Celery worker until it is stopped; its exit code."""
     from celery.worker import state as worker_state
 
-    client = Client(args.redis_url, namespace=args.namespace, max_backlog=args.max_backlog)
+    options: dict[str, Any] = {"model": args.model, "require_worker": not args.queue_anyway}
+    if args.max_backlog is not None:
+        options["max_backlog"] = args.max_backlog
+    client = Client(args.redis_url, namespace=args.namespace, **options)
     watcher = RevokeWatcher(client, worker_state.revoked, REVOKE_POLL_S)
     app = make_app(args, Bridge(client, watcher))
     for setting, flag in (("broker_url", "--broker"), ("result_backend", "--backend")):
@@ -344,7 +347,11 @@ def serve(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     """The ``celery`` subcommand's options (each also an environment variable)."""
-    from tokenq.producer.cli import common_options, option  # cli imports this module first
+    from tokenq.producer.cli import (  # cli imports this module first
+        common_options,
+        flag_option,
+        option,
+    )
 
     parser = sub.add_parser("celery", help="serve the Celery task tokenq.generate (a worker)")
     common_options(parser)
@@ -353,8 +360,9 @@ def add_parser(sub: Any) -> None:
     option(parser, "--queue", default=DEFAULT_QUEUE, help="the Celery queue to consume")
     option(parser, "--concurrency", type=int, default=64, help="tasks followed at once")
     option(parser, "--celery-config", help="module of Celery settings (like celeryconfig)")
-    backlog = DEFAULT_MAX_BACKLOG
-    option(parser, "--max-backlog", type=int, default=backlog, help="QueueFull beyond this")
+    option(parser, "--max-backlog", type=int, help="QueueFull beyond this, every lane")
+    option(parser, "--model", help="the model of tasks that name none")
+    flag_option(parser, "--queue-anyway", "queue jobs for models no live worker serves yet")
     option(parser, "--max-retries", type=int, default=10, help="retries: QueueFull, Redis down")
     option(parser, "--retry-backoff", type=float, default=1.0, help="first retry's pause (s)")
     option(parser, "--log-level", default="info", help="debug, info, warning")

@@ -25,9 +25,10 @@ import redis
 
 from tokenq.producer import celery_bridge
 from tokenq.producer.client import DEFAULT_REDIS_URL, Client, ClientConfig
-from tokenq.producer.errors import JobFailed, QueueFull
+from tokenq.producer.errors import JobFailed, QueueFull, UnknownModel
 from tokenq.producer.protocol import (
     DEFAULT_NAMESPACE,
+    LANES,
     DoneEvent,
     ErrorEvent,
     ProtocolError,
@@ -97,10 +98,14 @@ def add_commands(sub: Any) -> None:
     option(submit, "--temperature", type=float, default=0.0, help="0 is greedy")
     option(submit, "--top-p", type=float, help="nucleus sampling")
     option(submit, "--seed", type=int, help="sampling seed")
-    option(submit, "--priority", type=int, default=0, help="lower runs first")
+    option(submit, "--model", help="the model's name (default: the one model served)")
+    option(submit, "--priority", type=int, help="lower runs first; its sign picks the lane")
+    option(submit, "--lane", choices=LANES, help="interactive, default or batch")
+    option(submit, "--tenant", help="whose job: lanes serve tenants in turn")
+    flag_option(submit, "--queue-anyway", "queue even if no live worker serves the model")
     option(submit, "--job-id", help="idempotency key (default: random)")
     option(submit, "--timeout", type=float, default=600.0, help="seconds to wait for the end")
-    option(submit, "--max-backlog", type=int, default=10_000, help="QueueFull beyond this")
+    option(submit, "--max-backlog", type=int, help="QueueFull beyond this many jobs in the lane")
     option(
         submit,
         "--retry-for",
@@ -109,6 +114,11 @@ def add_commands(sub: Any) -> None:
         help="seconds to ride out an unreachable Redis",
     )
     submit.set_defaults(run=cmd_submit)
+
+    models = sub.add_parser("models", help="list the models live workers serve")
+    common_options(models)
+    flag_option(models, "--json", "print JSON")
+    models.set_defaults(run=cmd_models)
     celery_bridge.add_parser(sub)
 
 
@@ -127,28 +137,52 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if args.raw
         else {"messages": [{"role": "user", "content": args.prompt}]}
     )
-    client = Client(
-        args.redis_url,
-        namespace=args.namespace,
-        max_backlog=args.max_backlog,
-        retry_for=args.retry_for,
-    )
+    options: dict[str, Any] = {"retry_for": args.retry_for}
+    if args.max_backlog is not None:
+        options["max_backlog"] = args.max_backlog
+    client = Client(args.redis_url, namespace=args.namespace, **options)
     try:
         with client:
             return _submit(client, args, prompt, params)
     except redis.ConnectionError as exc:
         print(f"tokenq: cannot reach Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
         return EXIT_NO_REDIS
-    except ProtocolError as exc:
+    except (ProtocolError, UnknownModel, ValueError) as exc:
         print(f"tokenq: {exc}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    try:
+        with Client(args.redis_url, namespace=args.namespace, retry_for=5.0) as client:
+            models = client.models()
+    except redis.ConnectionError as exc:
+        print(f"tokenq: cannot reach Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
+        return EXIT_NO_REDIS
+    if args.json:
+        print(json.dumps([asdict(m) for m in models]))
+    elif not models:
+        print("no live worker")
+    for m in models if not args.json else []:
+        aliases = f" (also {', '.join(m.aliases)})" if m.aliases else ""
+        print(f"{m.id}{aliases}: {m.workers} worker(s), context {m.max_model_len}")
+    return 0
 
 
 def _submit(
     client: Client, args: argparse.Namespace, prompt: dict[str, Any], params: dict[str, Any]
 ) -> int:
     try:
-        job = client.submit(job_id=args.job_id, priority=args.priority, **prompt, **params)
+        job = client.submit(
+            job_id=args.job_id,
+            model=args.model,
+            priority=args.priority,
+            lane=args.lane,
+            tenant=args.tenant,
+            queue_anyway=args.queue_anyway,
+            **prompt,
+            **params,
+        )
     except QueueFull as exc:
         print(f"tokenq: {exc}", file=sys.stderr)
         return EXIT_QUEUE_FULL

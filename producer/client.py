@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import math
 import queue
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -31,11 +32,20 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tokenq.producer.errors import ClientClosed, JobFailed, QueueFull, RedisUnavailable
+from tokenq.producer.errors import (
+    ClientClosed,
+    JobFailed,
+    QueueFull,
+    RedisUnavailable,
+    UnknownModel,
+)
 from tokenq.producer.protocol import (
     DEFAULT_LIMITS,
     DEFAULT_NAMESPACE,
-    QUEUED,
+    LANE_PRIORITY,
+    LANES,
+    NO_TENANT,
+    PROTOCOL_VERSION,
     TERMINAL_EVENTS,
     DoneEvent,
     ErrorEvent,
@@ -45,12 +55,15 @@ from tokenq.producer.protocol import (
     Limits,
     ProtocolError,
     decode_event,
+    lane_of,
     new_job_id,
     pack,
 )
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-DEFAULT_MAX_BACKLOG = 10_000
+# Jobs a model's lane may hold (waiting or running) before QueueFull. Interactive work is
+# refused early (its users would rather hear "busy" than wait); batch backlogs are large.
+DEFAULT_MAX_BACKLOG = {"interactive": 1_000, "default": 10_000, "batch": 1_000_000}
 DEFAULT_JOB_TTL = 24 * 3600  # how long a job id stays taken (the idempotency window)
 READ_COUNT = 512
 RETRY_BASE = 0.05  # seconds: the pause after a first failure, doubled after each further one
@@ -70,8 +83,17 @@ class ClientConfig:
     connection and retry ones together."""
 
     namespace: str = DEFAULT_NAMESPACE
-    max_backlog: int = DEFAULT_MAX_BACKLOG
+    # The model of jobs that name none (else the one model the live workers serve).
+    model: str | None = None
+    # Per lane (interactive, default, batch), or one number for every lane.
+    max_backlog: int | Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_MAX_BACKLOG))
     job_ttl: int = DEFAULT_JOB_TTL
+    # A job for a model no live worker serves fails at once (UnknownModel) unless submitted
+    # with queue_anyway=True (or require_worker=False here: workers may start later); the
+    # registry of live workers is read at most every registry_ttl seconds.
+    require_worker: bool = True
+    registry_ttl: float = 2.0
+    worker_stale_s: float = 30.0  # a worker silent this long is not counted as live
     # The stream reader's XREAD BLOCK: a newly followed stream joins the read within this
     # time, paid for with one XREAD per block_ms while anything is followed.
     block_ms: int = 100
@@ -88,6 +110,10 @@ class ClientConfig:
     # Size bounds checked before a job is sent; workers check the same (their own limits).
     limits: Limits = DEFAULT_LIMITS
 
+    def lane_cap(self, lane: str) -> int:
+        caps = self.max_backlog
+        return caps if isinstance(caps, int) else caps.get(lane, DEFAULT_MAX_BACKLOG[lane])
+
     def __post_init__(self) -> None:
         if self.block_ms < 1:
             raise ValueError("block_ms must be at least 1 (XREAD BLOCK 0 would never return)")
@@ -101,13 +127,24 @@ def make_request(
     messages: list[dict[str, str]] | None = None,
     prompt_token_ids: list[int] | None = None,
     job_id: str | None = None,
-    priority: int = 0,
+    priority: int | None = None,
+    lane: str | None = None,
     deadline: float | None = None,
     model: str | None = None,
+    tenant: str | None = None,
     metadata: Any = None,
     **params: Any,
 ) -> JobRequest:
-    """A job from keyword arguments; sampling parameters go by vLLM's names."""
+    """A job from keyword arguments; sampling parameters go by vLLM's names.
+
+    `priority` (lower first) picks the lane by its sign; `lane` alone ("interactive",
+    "default", "batch") stands for priority -1, 0 or 1. Both must agree if both are given."""
+    if lane is not None and lane not in LANES:
+        raise ValueError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
+    if priority is None:
+        priority = LANE_PRIORITY[lane] if lane is not None else 0
+    elif lane is not None and lane_of(priority) != lane:
+        raise ValueError(f"priority {priority} is in the {lane_of(priority)} lane, not {lane}")
     return JobRequest(
         prompt=prompt,
         messages=messages,
@@ -117,6 +154,7 @@ def make_request(
         priority=priority,
         deadline=deadline,
         model=model,
+        tenant=tenant,
         metadata=metadata,
     )
 
@@ -142,22 +180,139 @@ def _prepare(requests: Iterable[JobRequest], limits: Limits) -> list[JobRequest]
     return out
 
 
-def _plan(
-    requests: list[JobRequest], existing: list[bytes | None], backlog: int, max_backlog: int
-) -> tuple[list[JobRequest], list[bool]]:
-    """Which jobs to add (first occurrence of an id not yet taken) and which are duplicates."""
-    taken = {req.job_id for req, value in zip(requests, existing, strict=True) if value}
-    fresh: list[JobRequest] = []
-    duplicate: list[bool] = []
-    for req in requests:
-        is_dup = req.job_id in taken
-        duplicate.append(is_dup)
-        if not is_dup:
-            taken.add(req.job_id)
-            fresh.append(req)
-    if fresh and backlog + len(fresh) > max_backlog:
-        raise QueueFull(backlog, max_backlog)
-    return fresh, duplicate
+# Queue jobs, atomically: all of them, or none when a lane is full. An id already taken
+# (the job key exists) is a duplicate and adds nothing: job ids are idempotency keys, and a
+# submit re-sent after a lost answer finds its own jobs this way.
+#   ARGV: namespace, job ttl, the lane caps (interactive, default, batch), then per job:
+#         id, model, priority, tenant, lane, protocol version, payload
+#   ->    {"ok", {1 if duplicate else 0, ...}} or {"full", lane, backlog, cap, model}
+SUBMIT = """
+local ns, ttl = ARGV[1], ARGV[2]
+local caps = {interactive = tonumber(ARGV[3]), default = tonumber(ARGV[4]),
+              batch = tonumber(ARGV[5])}
+local dup, fresh, adds, seen = {}, {}, {}, {}
+for b = 6, #ARGV, 7 do
+  local jid = ARGV[b]
+  if seen[jid] or redis.call('EXISTS', ns .. ':job:' .. jid) == 1 then
+    dup[#dup + 1] = 1
+  else
+    dup[#dup + 1] = 0
+    seen[jid] = true
+    fresh[#fresh + 1] = b
+    local lane_key = ARGV[b + 1] .. ' ' .. ARGV[b + 4]  -- model names hold no spaces
+    adds[lane_key] = (adds[lane_key] or 0) + 1
+  end
+end
+for lane_key, count in pairs(adds) do
+  local model, lane = string.match(lane_key, '^(%S+) (%S+)$')
+  local have = tonumber(redis.call('GET', ns .. ':backlog:' .. model .. ':' .. lane) or '0')
+  if have + count > caps[lane] then return {'full', lane, have, caps[lane], model} end
+end
+local rung = {}
+for _, b in ipairs(fresh) do
+  local jid, model, prio, tenant, lane = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]
+  redis.call('SET', ns .. ':job:' .. jid, 'queued', 'EX', ttl)
+  redis.call('ZADD', ns .. ':queues:' .. model, prio, prio .. ':' .. tenant)
+  redis.call('XADD', ns .. ':jobs:' .. model .. ':' .. prio .. ':' .. tenant, '*',
+             'v', ARGV[b + 5], 'id', jid, 'data', ARGV[b + 6])
+  redis.call('INCR', ns .. ':backlog:' .. model .. ':' .. lane)
+  if not rung[model] then
+    redis.call('XADD', ns .. ':bell:' .. model, 'MAXLEN', '1', '*', 'b', '1')
+    rung[model] = true
+  end
+end
+return {'ok', dup}
+"""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model the live workers serve (`Client.models()`), as vLLM's /v1/models lists it."""
+
+    id: str  # the name jobs use (the first --served-model-name)
+    aliases: tuple[str, ...]  # further names that reach the same workers
+    max_model_len: int
+    workers: int  # live workers serving it
+    heartbeat_at: float  # unix seconds of the freshest worker's last heartbeat
+
+
+def _models(rows: list[dict[bytes, bytes]]) -> list[ModelInfo]:
+    """Aggregate the registry hashes of live workers by model."""
+    by_model: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if not row:
+            continue
+        names = tuple(json.loads(row[b"names"]))
+        entry = by_model.setdefault(
+            names[0], {"aliases": set(), "len": 0, "workers": 0, "heartbeat": 0.0}
+        )
+        entry["aliases"].update(names[1:])
+        entry["len"] = max(entry["len"], int(row.get(b"max_model_len", b"0")))
+        entry["workers"] += 1
+        entry["heartbeat"] = max(entry["heartbeat"], float(row.get(b"heartbeat_at", b"0")))
+    return [
+        ModelInfo(name, tuple(sorted(e["aliases"])), e["len"], e["workers"], e["heartbeat"])
+        for name, e in sorted(by_model.items())
+    ]
+
+
+class _Routing:
+    """Which model each job goes to: its own, the configured default, or the one model
+    served; checked against the live workers (cached for registry_ttl)."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.models: list[ModelInfo] = []
+        self.read_at = -math.inf
+
+    @property
+    def stale(self) -> bool:
+        return time.monotonic() - self.read_at > self.config.registry_ttl
+
+    def update(self, models: list[ModelInfo]) -> None:
+        self.models, self.read_at = models, time.monotonic()
+
+    def resolve(self, reqs: list[JobRequest], queue_anyway: bool) -> list[JobRequest]:
+        queue_anyway = queue_anyway or not self.config.require_worker
+        served = {n for m in self.models for n in (m.id, *m.aliases)}
+        out = []
+        for req in reqs:
+            model = req.model or self.config.model
+            if model is None:
+                if len(self.models) != 1:
+                    raise UnknownModel(None, sorted(served))
+                model = self.models[0].id
+            if model not in served and not queue_anyway:
+                raise UnknownModel(model, sorted(served))
+            out.append(dataclasses.replace(req, model=model))
+        return out
+
+    def needs_registry(self, reqs: list[JobRequest], queue_anyway: bool) -> bool:
+        queue_anyway = queue_anyway or not self.config.require_worker
+        named = all(r.model or self.config.model for r in reqs)
+        return self.stale and not (queue_anyway and named)
+
+
+def _submit_args(config: ClientConfig, reqs: list[JobRequest]) -> list[Any]:
+    args: list[Any] = [config.namespace, config.job_ttl, *(config.lane_cap(x) for x in LANES)]
+    for r in reqs:
+        args += [r.job_id, r.model, r.priority, r.tenant or NO_TENANT, r.lane]
+        args += [PROTOCOL_VERSION, pack(r.payload())]
+    return args
+
+
+def _submitted(answer: list[Any]) -> list[bool]:
+    if answer[0] == b"full":
+        _, lane, have, cap, model = answer
+        raise QueueFull(int(have), int(cap), lane.decode(), model.decode())
+    return [bool(flag) for flag in answer[1]]
+
+
+def _registry_rows(conn: Any, keys: Keys, consumers: list[bytes]) -> Any:
+    with conn.pipeline(transaction=False) as pipe:
+        for consumer in consumers:
+            pipe.hgetall(keys.worker(consumer.decode()))
+        return pipe.execute()
 
 
 def _check_binary(conn: Any) -> None:
@@ -623,46 +778,47 @@ class Client:
         _check_binary(self.redis)
         self.keys = Keys(self.config.namespace)
         self._reader = _ThreadReader(self.redis, self.config)
+        self._submit = self.redis.register_script(SUBMIT)
+        self._routing = _Routing(self.config)
         self._closed = False
 
-    def submit(self, prompt: str | None = None, **kwargs: Any) -> Job:
-        """Submit one job; see `make_request` for the arguments. Raises QueueFull."""
-        return self.submit_many([make_request(prompt, **kwargs)])[0]
+    def submit(
+        self, prompt: str | None = None, *, queue_anyway: bool = False, **kwargs: Any
+    ) -> Job:
+        """Submit one job; see `make_request` for the arguments. Raises QueueFull, and
+        UnknownModel when no live worker serves its model (unless `queue_anyway`)."""
+        return self.submit_many([make_request(prompt, **kwargs)], queue_anyway=queue_anyway)[0]
 
-    def submit_many(self, requests: Iterable[JobRequest]) -> list[Job]:
-        """Submit jobs in one transaction: all are queued, or QueueFull and none is.
+    def submit_many(
+        self, requests: Iterable[JobRequest], *, queue_anyway: bool = False
+    ) -> list[Job]:
+        """Submit jobs at once (one script call): all are queued, or QueueFull and none is.
 
-        The job keys are WATCHed so that a concurrent submit of the same id either lands
-        first (and we see a duplicate) or aborts our transaction (and we retry and see it).
-        That makes a retry after a lost connection safe too: it queues nothing twice.
+        A job id already taken is a duplicate: nothing is added for it, its handle says
+        `duplicate` and follows the earlier job. That makes a retry after a lost
+        connection safe too: it queues nothing twice.
         """
         if self._closed:
             raise ClientClosed("submit on a closed client")
         reqs = _prepare(requests, self.config.limits)
         if not reqs:
             return []
-        duplicate = self._retrying(lambda: self._submit_once(reqs))
+        if self._routing.needs_registry(reqs, queue_anyway):
+            self._routing.update(self.models())
+        reqs = self._routing.resolve(reqs, queue_anyway)
+        args = _submit_args(self.config, reqs)
+        duplicate = _submitted(self._retrying(lambda: self._submit(args=args)))
         return [Job(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]
 
-    def _submit_once(self, reqs: list[JobRequest]) -> list[bool]:
-        job_keys = [self.keys.job(r.job_id) for r in reqs]
-        with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(*job_keys)
-                    existing = pipe.mget(job_keys)
-                    backlog = pipe.xlen(self.keys.jobs)
-                    fresh, duplicate = _plan(reqs, existing, backlog, self.config.max_backlog)
-                    pipe.multi()
-                    for req in fresh:
-                        pipe.set(self.keys.job(req.job_id), QUEUED, ex=self.config.job_ttl)
-                        pipe.xadd(self.keys.jobs, req.to_fields())
-                    pipe.execute()
-                    return duplicate
-                except redis.WatchError:
-                    # Also what redis-py raises when the connection drops while keys are
-                    # WATCHed: start over, and the next WATCH meets the outage itself.
-                    continue
+    def models(self) -> list[ModelInfo]:
+        """The models live workers serve, with their aliases and how many workers."""
+
+        def read() -> list[ModelInfo]:
+            since = (time.time() - self.config.worker_stale_s) * 1000
+            consumers = self.redis.zrangebyscore(self.keys.workers, since, "+inf")
+            return _models(_registry_rows(self.redis, self.keys, consumers))
+
+        return self._retrying(read)
 
     def _retrying(self, attempt: Callable[[], T]) -> T:
         """`attempt()`, tried again while Redis is unreachable, up to retry_for."""
@@ -754,38 +910,44 @@ class AsyncClient:
         _check_binary(self.redis)
         self.keys = Keys(self.config.namespace)
         self._reader = _TaskReader(self.redis, self.config)
+        self._submit = self.redis.register_script(SUBMIT)
+        self._routing = _Routing(self.config)
         self._closed = False
 
-    async def submit(self, prompt: str | None = None, **kwargs: Any) -> AsyncJob:
-        return (await self.submit_many([make_request(prompt, **kwargs)]))[0]
+    async def submit(
+        self, prompt: str | None = None, *, queue_anyway: bool = False, **kwargs: Any
+    ) -> AsyncJob:
+        jobs = await self.submit_many([make_request(prompt, **kwargs)], queue_anyway=queue_anyway)
+        return jobs[0]
 
-    async def submit_many(self, requests: Iterable[JobRequest]) -> list[AsyncJob]:
+    async def submit_many(
+        self, requests: Iterable[JobRequest], *, queue_anyway: bool = False
+    ) -> list[AsyncJob]:
         """As `Client.submit_many`."""
         if self._closed:
             raise ClientClosed("submit on a closed client")
         reqs = _prepare(requests, self.config.limits)
         if not reqs:
             return []
-        duplicate = await self._retrying(lambda: self._submit_once(reqs))
+        if self._routing.needs_registry(reqs, queue_anyway):
+            self._routing.update(await self.models())
+        reqs = self._routing.resolve(reqs, queue_anyway)
+        args = _submit_args(self.config, reqs)
+        duplicate = _submitted(await self._retrying(lambda: self._submit(args=args)))
         return [AsyncJob(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]
 
-    async def _submit_once(self, reqs: list[JobRequest]) -> list[bool]:
-        job_keys = [self.keys.job(r.job_id) for r in reqs]
-        async with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(*job_keys)
-                    existing = await pipe.mget(job_keys)
-                    backlog = await pipe.xlen(self.keys.jobs)
-                    fresh, duplicate = _plan(reqs, existing, backlog, self.config.max_backlog)
-                    pipe.multi()
-                    for req in fresh:
-                        pipe.set(self.keys.job(req.job_id), QUEUED, ex=self.config.job_ttl)
-                        pipe.xadd(self.keys.jobs, req.to_fields())
-                    await pipe.execute()
-                    return duplicate
-                except redis.WatchError:
-                    continue  # as in Client._submit_once
+    async def models(self) -> list[ModelInfo]:
+        """As `Client.models`."""
+
+        async def read() -> list[ModelInfo]:
+            since = (time.time() - self.config.worker_stale_s) * 1000
+            consumers = await self.redis.zrangebyscore(self.keys.workers, since, "+inf")
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for consumer in consumers:
+                    pipe.hgetall(self.keys.worker(consumer.decode()))
+                return _models(await pipe.execute())
+
+        return await self._retrying(read)
 
     async def _retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """As `Client._retrying`."""

@@ -6,20 +6,45 @@ import redis
 
 
 class QueueFull(Exception):
-    """The job stream already holds ``max_backlog`` jobs; retry later or shed the load.
+    """A model's lane already holds its ``max_backlog`` jobs; retry later or shed the load.
 
-    Raised instead of letting the stream grow without bound when producers outrun workers.
+    Raised instead of letting a queue grow without bound when producers outrun workers.
+    Each lane has its own cap, so a flood of batch jobs never refuses interactive ones.
     """
 
-    def __init__(self, backlog: int, max_backlog: int) -> None:
+    def __init__(
+        self, backlog: int, max_backlog: int, lane: str = "default", model: str = ""
+    ) -> None:
         # args are the constructor's arguments: pickle and Celery's JSON result serializer
         # both rebuild an exception as cls(*args) (a Celery task failing with it, say).
-        super().__init__(backlog, max_backlog)
+        super().__init__(backlog, max_backlog, lane, model)
         self.backlog = backlog
         self.max_backlog = max_backlog
+        self.lane = lane
+        self.model = model
 
     def __str__(self) -> str:
-        return f"queue full: {self.backlog} jobs waiting or running (max {self.max_backlog})"
+        where = f"{self.model} {self.lane} lane" if self.model else f"{self.lane} lane"
+        return (
+            f"queue full: {where} holds {self.backlog} jobs waiting or running "
+            f"(max {self.max_backlog})"
+        )
+
+
+class UnknownModel(Exception):
+    """No live worker serves the model a job names (submit with ``queue_anyway=True`` to
+    queue it for workers that start later)."""
+
+    def __init__(self, model: str | None, served: list[str]) -> None:
+        super().__init__(model, served)
+        self.model = model
+        self.served = served
+
+    def __str__(self) -> str:
+        served = ", ".join(self.served) or "none"
+        if self.model is None:
+            return f"no model given and no single model to default to (served: {served})"
+        return f"no live worker serves model {self.model!r} (served: {served})"
 
 
 class JobFailed(Exception):

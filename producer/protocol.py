@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: queues per model, priority and tenant (1: one job stream)
 DEFAULT_NAMESPACE = "tokenq"
 GROUP = "workers"
 
@@ -43,11 +43,25 @@ SAMPLING_PARAMS = frozenset(
 )
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 PAYLOAD_FIELDS = frozenset(
-    {*PROMPT_FIELDS, "params", "priority", "deadline", "model", "metadata", "submitted_at"}
+    {
+        *PROMPT_FIELDS,
+        "params",
+        "priority",
+        "deadline",
+        "model",
+        "tenant",
+        "metadata",
+        "submitted_at",
+    }
 )
 # Job ids become parts of Redis keys and log lines: keep them printable and bounded. Always
 # `fullmatch`: with `match`, `$` would let a trailing newline through.
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,127}")
+# Model names (vLLM's --served-model-name: "smollm2-135m", "org/Model-7B") and tenants
+# become parts of Redis keys and log lines.
+MODEL_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:/@+\-]{0,127}")
+TENANT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@\-]{0,63}")
+NO_TENANT = "-"  # the queue of jobs that name no tenant
 ECHO_CHARS = 100  # how much of a bad value an error message may quote
 MAX_PRIORITY = 2**31 - 1
 
@@ -99,6 +113,17 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
+# Priority lanes: `priority` keeps vLLM's meaning (an int, lower first) and its sign picks
+# the lane. Workers serve the lanes in this order, lower lanes aging up (docs/protocol.md).
+INTERACTIVE, DEFAULT, BATCH = "interactive", "default", "batch"
+LANES = (INTERACTIVE, DEFAULT, BATCH)
+LANE_PRIORITY = {INTERACTIVE: -1, DEFAULT: 0, BATCH: 1}  # what `lane=` alone means
+
+
+def lane_of(priority: int) -> str:
+    return INTERACTIVE if priority < 0 else BATCH if priority > 0 else DEFAULT
+
+
 class ProtocolError(ValueError):
     """A job that breaks the protocol; ``code`` is the error code sent to the client."""
 
@@ -118,7 +143,42 @@ class Keys:
 
     @property
     def jobs(self) -> str:
+        """Protocol 1's single job stream: workers answer what lands there with a clear
+        `unsupported_version` error instead of leaving an old client waiting."""
         return f"{self.namespace}:jobs"
+
+    def queue(self, model: str, priority: int, tenant: str) -> str:
+        """A job stream: one per model, priority and tenant, consumer group `workers`."""
+        return f"{self.namespace}:jobs:{model}:{priority}:{tenant}"
+
+    def parse_queue(self, stream: str) -> tuple[str, int, str] | None:
+        """(model, priority, tenant) of a queue's key; None for protocol 1's stream."""
+        prefix = f"{self.namespace}:jobs:"
+        if not stream.startswith(prefix):
+            return None
+        model, priority, tenant = stream[len(prefix) :].rsplit(":", 2)
+        return model, int(priority), tenant
+
+    def queues(self, model: str) -> str:
+        """Sorted set of a model's queues: member "<priority>:<tenant>", score priority."""
+        return f"{self.namespace}:queues:{model}"
+
+    def backlog(self, model: str, lane: str) -> str:
+        """Counter of a model's lane: jobs added and not yet acknowledged (QueueFull)."""
+        return f"{self.namespace}:backlog:{model}:{lane}"
+
+    def bell(self, model: str) -> str:
+        """A one-entry stream producers touch on every submit: idle workers block on it."""
+        return f"{self.namespace}:bell:{model}"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set of live workers: member consumer name, score last heartbeat (ms)."""
+        return f"{self.namespace}:workers"
+
+    def worker(self, consumer: str) -> str:
+        """Hash of what a worker serves: names, max_model_len, host, pid, times."""
+        return f"{self.namespace}:worker:{consumer}"
 
     @property
     def dead(self) -> str:
@@ -177,6 +237,7 @@ class JobRequest:
     priority: int = 0
     deadline: float | None = None  # unix seconds: producers and workers share no clock base
     model: str | None = None
+    tenant: str | None = None
     metadata: Any = None
     submitted_at: float | None = None
 
@@ -227,10 +288,14 @@ class JobRequest:
             number = isinstance(value, int | float) and not isinstance(value, bool)
             if value is not None and not (number and math.isfinite(value)):
                 raise bad(f"{name} must be a finite number (unix seconds)")
-        if self.model is not None and not isinstance(self.model, str):
-            raise bad("model must be a string")
-        if self.model is not None and len(self.model) > 256:
-            raise bad("model name is longer than 256 characters")
+        if self.model is not None and (
+            not isinstance(self.model, str) or not MODEL_RE.fullmatch(self.model)
+        ):
+            raise bad(f"model {clip(self.model)} must match {MODEL_RE.pattern}")
+        if self.tenant is not None and (
+            not isinstance(self.tenant, str) or not TENANT_RE.fullmatch(self.tenant)
+        ):
+            raise bad(f"tenant {clip(self.tenant)} must match {TENANT_RE.pattern}")
         if self.metadata is not None:
             try:
                 size = len(pack(self.metadata))
@@ -302,10 +367,14 @@ class JobRequest:
             out["params"] = self.params
         if self.priority:
             out["priority"] = self.priority
-        for name in ("deadline", "model", "metadata", "submitted_at"):
+        for name in ("deadline", "model", "tenant", "metadata", "submitted_at"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
+
+    @property
+    def lane(self) -> str:
+        return lane_of(self.priority)
 
     def to_fields(self) -> dict[str, bytes | str]:
         """The job stream entry. The id sits outside the msgpack blob so that a worker can
@@ -359,6 +428,7 @@ def decode_job(fields: dict[bytes, bytes], limits: Limits = DEFAULT_LIMITS) -> J
         priority=data.get("priority", 0),
         deadline=data.get("deadline"),
         model=data.get("model"),
+        tenant=data.get("tenant"),
         metadata=data.get("metadata"),
         submitted_at=data.get("submitted_at"),
     )

@@ -19,6 +19,14 @@ import pytest
 import redis
 
 LOCAL_URL = "redis://127.0.0.1:6379/0"
+TEST_MODEL = "tiny"  # the name the test workers serve and the test clients ask for
+# Test clients name their model and queue before any worker runs (as producers may).
+CLIENT = {"model": TEST_MODEL, "require_worker": False}
+
+
+def queue_of(namespace: str, priority: int = 0, tenant: str = "-") -> str:
+    """The key of one of the test model's queues (see tokenq.producer.protocol.Keys)."""
+    return f"{namespace}:jobs:{TEST_MODEL}:{priority}:{tenant}"
 
 
 def _answers(url: str) -> bool:

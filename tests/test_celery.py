@@ -24,6 +24,7 @@ from celery import Celery, chord, group
 from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
+from tests.redis_fixtures import CLIENT, TEST_MODEL
 from tests.test_worker_support import (
     WorkerThread,
     check_reply,
@@ -70,7 +71,7 @@ class Stack:
         return generate.s(*args, **kwargs).set(queue=self.queue)
 
     def client(self, **overrides: Any) -> Client:
-        return Client(self.url, namespace=self.namespace, **overrides)
+        return Client(self.url, namespace=self.namespace, **CLIENT, **overrides)
 
     def worker(
         self, model: Path, conn: redis.Redis, step_delay: float = 0.0, **options: Any
@@ -123,7 +124,8 @@ class BridgeProcess:
             sys.executable, "-m", "tokenq.cli", "celery",
             "--redis-url", stack.url, "--namespace", stack.namespace,
             "--broker", stack.url, "--backend", stack.url, "--queue", stack.queue,
-            "--celery-config", stack.config_module, "--concurrency", "8", *extra,
+            "--celery-config", stack.config_module, "--concurrency", "8",
+            "--model", TEST_MODEL, "--queue-anyway", *extra,
         ]  # fmt: skip
         path = os.pathsep.join(filter(None, [str(stack.config_dir), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
@@ -206,7 +208,7 @@ def test_a_redelivery_after_the_reply_expired_fails_instead_of_waiting(
     redis_url: str, redis_namespace: str, redis_conn: redis.Redis
 ) -> None:
     redis_conn.set(Keys(redis_namespace).job("ended"), "done")  # its reply stream is gone
-    with Client(redis_url, namespace=redis_namespace) as client:
+    with Client(redis_url, namespace=redis_namespace, **CLIENT) as client:
         bridge = Bridge(client, RevokeWatcher(client, set(), 0.1))
         with pytest.raises(JobFailed) as info:
             bridge.run("ended", None, {"prompt": "again"}, lambda meta: None)

@@ -17,6 +17,7 @@ import fakeredis.aioredis
 import pytest
 import redis
 
+from tests.redis_fixtures import CLIENT, queue_of
 from tokenq.producer.client import AsyncClient, Client, make_request
 from tokenq.producer.errors import ClientClosed, JobFailed, QueueFull
 from tokenq.producer.protocol import (
@@ -48,9 +49,9 @@ REPLY = [
 
 
 def test_submit_writes_a_protocol_entry_and_a_job_key(fake: fakeredis.FakeRedis) -> None:
-    client = Client(fake, namespace="t")
+    client = Client(fake, namespace="t", **CLIENT)
     job = client.submit("hi", max_tokens=5, temperature=0, metadata={"a": 1}, priority=2)
-    entries = fake.xrange("t:jobs")
+    entries = fake.xrange(queue_of("t", priority=2))
     assert len(entries) == 1
     decoded = decode_job(entries[0][1])
     assert decoded.job_id == job.id and decoded.prompt == "hi"
@@ -62,14 +63,14 @@ def test_submit_writes_a_protocol_entry_and_a_job_key(fake: fakeredis.FakeRedis)
 
 
 def test_client_side_validation_fails_before_redis(fake: fakeredis.FakeRedis) -> None:
-    client = Client(fake, namespace="t")
+    client = Client(fake, namespace="t", **CLIENT)
     with pytest.raises(ValueError, match="exactly one"):
         client.submit("hi", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(ValueError, match="unknown parameter"):
         client.submit("hi", max_token=5)
     with pytest.raises(ValueError, match="job id"):
         client.submit("hi", job_id="has space")
-    assert fake.xlen("t:jobs") == 0
+    assert fake.xlen(queue_of("t")) == 0
 
 
 def test_decode_responses_clients_are_refused() -> None:
@@ -78,35 +79,35 @@ def test_decode_responses_clients_are_refused() -> None:
 
 
 def test_queue_full_beyond_max_backlog(fake: fakeredis.FakeRedis) -> None:
-    client = Client(fake, namespace="t", max_backlog=3)
+    client = Client(fake, namespace="t", **CLIENT, max_backlog=3)
     for _ in range(3):
         client.submit("x")
     with pytest.raises(QueueFull) as info:
         client.submit("x")
     assert info.value.backlog == 3 and info.value.max_backlog == 3
-    # All or nothing for a batch that does not fit.
-    fake.xtrim("t:jobs", maxlen=1, approximate=False)
+    # All or nothing for a batch that does not fit (workers finished two of the three).
+    fake.set("t:backlog:tiny:default", 1)
     with pytest.raises(QueueFull):
         client.submit_many([make_request("a"), make_request("b"), make_request("c")])
-    assert fake.xlen("t:jobs") == 1
+    assert fake.xlen(queue_of("t")) == 3
     assert len(client.submit_many([make_request("a"), make_request("b")])) == 2
 
 
 def test_same_job_id_is_queued_once(fake: fakeredis.FakeRedis) -> None:
-    client = Client(fake, namespace="t")
+    client = Client(fake, namespace="t", **CLIENT)
     first = client.submit("x", job_id="order-7")
     again = client.submit("something else", job_id="order-7")
     batch = client.submit_many([make_request("y", job_id="b1"), make_request("z", job_id="b1")])
     assert not first.duplicate and again.duplicate
     assert [j.duplicate for j in batch] == [False, True]
-    assert fake.xlen("t:jobs") == 2
+    assert fake.xlen(queue_of("t")) == 2
     # A duplicate never counts against the backlog.
-    full = Client(fake, namespace="t", max_backlog=2)
+    full = Client(fake, namespace="t", **CLIENT, max_backlog=2)
     assert full.submit("x", job_id="order-7").duplicate
 
 
 def test_stream_result_and_resume_from_a_middle_event(fake: fakeredis.FakeRedis) -> None:
-    client = Client(fake, namespace="t")
+    client = Client(fake, namespace="t", **CLIENT)
     job = client.submit("x")
     ids = write_reply(fake, client.keys, job.id, REPLY)
     events = list(job.stream())
@@ -119,7 +120,7 @@ def test_stream_result_and_resume_from_a_middle_event(fake: fakeredis.FakeRedis)
 
 
 def test_error_event_raises_job_failed(fake: fakeredis.FakeRedis) -> None:
-    client = Client(fake, namespace="t")
+    client = Client(fake, namespace="t", **CLIENT)
     job = client.submit("x")
     write_reply(fake, client.keys, job.id, [ErrorEvent("invalid_params", "top_p: bad")])
     with pytest.raises(JobFailed) as info:
@@ -128,13 +129,13 @@ def test_error_event_raises_job_failed(fake: fakeredis.FakeRedis) -> None:
 
 
 def test_result_timeout(fake: fakeredis.FakeRedis) -> None:
-    job = Client(fake, namespace="t", block_ms=20).submit("x")
+    job = Client(fake, namespace="t", **CLIENT, block_ms=20).submit("x")
     with pytest.raises(TimeoutError):
         job.result(timeout=0.1)
 
 
 def test_cancel_sets_the_cancel_key_and_close_stops_submits(fake: fakeredis.FakeRedis) -> None:
-    client = Client(fake, namespace="t")
+    client = Client(fake, namespace="t", **CLIENT)
     job = client.submit("x")
     job.cancel()
     assert fake.get(client.keys.cancel(job.id)) == b"1"
@@ -144,7 +145,7 @@ def test_cancel_sets_the_cancel_key_and_close_stops_submits(fake: fakeredis.Fake
 
 
 def test_stream_many_interleaves_jobs(fake: fakeredis.FakeRedis) -> None:
-    client = Client(fake, namespace="t")
+    client = Client(fake, namespace="t", **CLIENT)
     a, b = client.submit("a"), client.submit("b")
     write_reply(fake, client.keys, a.id, REPLY)
     write_reply(fake, client.keys, b.id, [ErrorEvent("prompt_too_long", "too long")])
@@ -156,7 +157,7 @@ def test_async_client_matches_the_sync_one() -> None:
     async def scenario() -> None:
         server = fakeredis.FakeServer()
         sync = fakeredis.FakeRedis(server=server)
-        client = AsyncClient(fakeredis.aioredis.FakeRedis(server=server), namespace="t")
+        client = AsyncClient(fakeredis.aioredis.FakeRedis(server=server), namespace="t", **CLIENT)
         job = await client.submit("x", job_id="aj", max_tokens=3)
         assert (await client.submit("x", job_id="aj")).duplicate
         assert await job.status() == "queued"
@@ -167,7 +168,7 @@ def test_async_client_matches_the_sync_one() -> None:
         await job.cancel()
         assert sync.exists(client.keys.cancel("aj"))
         small = AsyncClient(
-            fakeredis.aioredis.FakeRedis(server=server), namespace="t", max_backlog=1
+            fakeredis.aioredis.FakeRedis(server=server), namespace="t", **CLIENT, max_backlog=1
         )
         with pytest.raises(QueueFull):
             await small.submit("y")
@@ -180,7 +181,7 @@ def test_async_client_matches_the_sync_one() -> None:
 
 
 def test_concurrent_submits_of_one_id_queue_it_once(redis_url: str, redis_namespace: str) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     results: list[bool] = []
     barrier = threading.Barrier(8)
 
@@ -194,12 +195,12 @@ def test_concurrent_submits_of_one_id_queue_it_once(redis_url: str, redis_namesp
     for t in threads:
         t.join()
     assert sorted(results) == [False] + [True] * 7
-    assert client.redis.xlen(client.keys.jobs) == 1
+    assert client.redis.xlen(queue_of(redis_namespace)) == 1
     client.close()
 
 
 def test_queue_full_and_resume_on_a_real_server(redis_url: str, redis_namespace: str) -> None:
-    client = Client(redis_url, namespace=redis_namespace, max_backlog=2)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT, max_backlog=2)
     job = client.submit("a")
     client.submit("b")
     with pytest.raises(QueueFull):
@@ -223,6 +224,7 @@ def test_producer_and_submit_need_no_torch(redis_url: str, redis_namespace: str)
         import tokenq, tokenq.producer.client, tokenq.producer.protocol, tokenq.cli
         from tokenq import AsyncClient, Client, JobFailed, QueueFull
         code = tokenq.cli.main(["submit", "hello", "--no-wait", "--job-id", "nt",
+                                "--model", "tiny", "--queue-anyway",
                                   "--redis-url", "{redis_url}", "--namespace", "{redis_namespace}"])
         assert code == 0
         assert "torch" not in sys.modules
@@ -232,7 +234,7 @@ def test_producer_and_submit_need_no_torch(redis_url: str, redis_namespace: str)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "nt"
     conn = redis.Redis.from_url(redis_url)
-    assert decode_job(conn.xrange(f"{redis_namespace}:jobs")[0][1]).messages == [
+    assert decode_job(conn.xrange(queue_of(redis_namespace))[0][1]).messages == [
         {"role": "user", "content": "hello"}
     ]
     conn.close()

@@ -20,6 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tests.faults import RedisServer, TcpProxy
+from tests.redis_fixtures import CLIENT, queue_of
 from tokenq.producer.client import AsyncClient, Client, ClientConfig
 from tokenq.producer.errors import RedisUnavailable
 from tokenq.producer.protocol import DoneEvent, Event, Keys, TokenEvent, encode_event
@@ -101,7 +102,7 @@ def assert_whole_reply(events: list[Event], n_tokens: int) -> None:
 
 
 def test_stream_rides_out_a_restart_without_gap_or_repeat(server: RedisServer) -> None:
-    client = Client(server.url, namespace=NS)
+    client = Client(server.url, namespace=NS, **CLIENT)
     writer = Writer(server.port, ["j"], reply(40), pause=0.02)
     restart = threading.Timer(0.3, server.restart, kwargs={"down_for": 0.5})
     writer.start()
@@ -116,7 +117,7 @@ def test_stream_rides_out_a_restart_without_gap_or_repeat(server: RedisServer) -
 
 def test_async_stream_rides_out_a_restart(server: RedisServer) -> None:
     async def scenario() -> list[Event]:
-        async with AsyncClient(server.url, namespace=NS) as client:
+        async with AsyncClient(server.url, namespace=NS, **CLIENT) as client:
             return [e async for e in client.job("j").stream(timeout=20)]
 
     writer = Writer(server.port, ["j"], reply(40), pause=0.02)
@@ -131,7 +132,7 @@ def test_async_stream_rides_out_a_restart(server: RedisServer) -> None:
 
 
 def test_submit_waits_out_an_outage_and_queues_once(server: RedisServer) -> None:
-    client = Client(server.url, namespace=NS)
+    client = Client(server.url, namespace=NS, **CLIENT)
     client.submit("before")  # leaves a pooled connection that the restart kills
     server.stop()
     threading.Timer(1.0, server.start).start()
@@ -140,14 +141,14 @@ def test_submit_waits_out_an_outage_and_queues_once(server: RedisServer) -> None
     assert 0.9 <= time.monotonic() - start < 5
     assert not job.duplicate and job.status() == "queued"
     check = raw_conn(server.port)
-    ids = [fields[b"id"] for _, fields in check.xrange(f"{NS}:jobs")]
+    ids = [fields[b"id"] for _, fields in check.xrange(queue_of(NS))]
     assert len(ids) == 2 and ids.count(b"during") == 1
     client.close()
 
 
 def test_async_submit_waits_out_an_outage(server: RedisServer) -> None:
     async def scenario() -> None:
-        async with AsyncClient(server.url, namespace=NS) as client:
+        async with AsyncClient(server.url, namespace=NS, **CLIENT) as client:
             await client.submit("before")
             server.stop()
             threading.Timer(1.0, server.start).start()
@@ -155,23 +156,24 @@ def test_async_submit_waits_out_an_outage(server: RedisServer) -> None:
             assert not job.duplicate and await job.status() == "queued"
 
     asyncio.run(scenario())
-    assert raw_conn(server.port).xlen(f"{NS}:jobs") == 2
+    assert raw_conn(server.port).xlen(queue_of(NS)) == 2
 
 
 def test_a_submit_whose_reply_was_lost_is_queued_once(server: RedisServer) -> None:
     with TcpProxy(server.port) as proxy:
-        client = Client(proxy.url, namespace=NS)
-        proxy.cut_reply(b"EXEC")
+        client = Client(proxy.url, namespace=NS, **CLIENT)
+        client.submit("x", job_id="warm-up")  # the submit script is loaded from here on
+        proxy.cut_reply(b"EVALSHA")
         job = client.submit("x", job_id="cut")
         assert proxy.cuts_done == 1
-        # The retry found the job its own lost EXEC had queued: a normal handle, flagged.
+        # The retry found the job its own lost submit had queued: a normal handle, flagged.
         assert job.id == "cut" and job.duplicate
-        assert raw_conn(server.port).xlen(f"{NS}:jobs") == 1
+        assert raw_conn(server.port).xlen(queue_of(NS)) == 2
         client.close()
 
 
 def test_retry_for_runs_out_with_a_clear_error(server: RedisServer) -> None:
-    client = Client(server.url, namespace=NS, retry_for=1.0)
+    client = Client(server.url, namespace=NS, **CLIENT, retry_for=1.0)
     job = client.submit("x")
     server.stop()
     for call in (lambda: client.submit("y"), job.result):
@@ -182,7 +184,7 @@ def test_retry_for_runs_out_with_a_clear_error(server: RedisServer) -> None:
         assert isinstance(info.value, redis.ConnectionError)
         assert f"127.0.0.1:{server.port}" in str(info.value) and "retried for 1." in str(info.value)
         assert isinstance(info.value.last_error, redis.ConnectionError)
-    impatient = Client(server.url, namespace=NS, retry_for=0).job(job.id)  # no retries
+    impatient = Client(server.url, namespace=NS, **CLIENT, retry_for=0).job(job.id)  # no retries
     start = time.monotonic()
     with pytest.raises(RedisUnavailable):
         impatient.cancel()
@@ -194,12 +196,12 @@ def test_retry_for_runs_out_with_a_clear_error(server: RedisServer) -> None:
 
 def test_timeout_and_retry_for_whichever_comes_first(server: RedisServer) -> None:
     server.stop()
-    patient = Client(server.url, namespace=NS, retry_for=5)
+    patient = Client(server.url, namespace=NS, **CLIENT, retry_for=5)
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
         patient.job("j").result(timeout=0.5)
     assert type(info.value) is TimeoutError and 0.45 <= time.monotonic() - start < 0.8
-    hasty = Client(server.url, namespace=NS, retry_for=0.5)
+    hasty = Client(server.url, namespace=NS, **CLIENT, retry_for=0.5)
     start = time.monotonic()
     with pytest.raises(RedisUnavailable):
         hasty.job("j").result(timeout=5)
@@ -208,7 +210,7 @@ def test_timeout_and_retry_for_whichever_comes_first(server: RedisServer) -> Non
 
 def test_async_retry_for_and_timeout(server: RedisServer) -> None:
     async def scenario() -> None:
-        async with AsyncClient(server.url, namespace=NS, retry_for=0.5) as client:
+        async with AsyncClient(server.url, namespace=NS, **CLIENT, retry_for=0.5) as client:
             job = await client.submit("x")
             server.stop()
             for call in (lambda: client.submit("y"), job.result, job.status):
@@ -231,7 +233,7 @@ def test_async_retry_for_and_timeout(server: RedisServer) -> None:
 def test_result_timeout_holds_with_redis_frozen(server: RedisServer, own_connection: bool) -> None:
     # A redis.Redis passed in keeps its settings, even no socket timeout at all.
     conn = server.url if own_connection else server.client(socket_timeout=None)
-    client = Client(conn, namespace=NS)
+    client = Client(conn, namespace=NS, **CLIENT)
     job = client.submit("x")
     server.freeze()
     try:
@@ -248,7 +250,7 @@ def test_result_timeout_holds_with_redis_frozen(server: RedisServer, own_connect
 
 def test_async_result_timeout_holds_with_redis_frozen(server: RedisServer) -> None:
     async def scenario() -> float:
-        async with AsyncClient(server.url, namespace=NS) as client:
+        async with AsyncClient(server.url, namespace=NS, **CLIENT) as client:
             job = await client.submit("x")
             server.freeze()
             try:
@@ -268,7 +270,7 @@ def test_async_result_timeout_holds_with_redis_frozen(server: RedisServer) -> No
 
 def test_120_sync_readers_share_one_connection(tmp_path: Path) -> None:
     with RedisServer(tmp_path, aof=False) as server:
-        client = Client(server.url, namespace=NS)
+        client = Client(server.url, namespace=NS, **CLIENT)
         job_ids = [f"j{i}" for i in range(120)]
         got: dict[str, list[Event]] = {}
         failures: list[BaseException] = []
@@ -301,7 +303,7 @@ def test_200_async_readers_share_one_connection(tmp_path: Path) -> None:
         writer = Writer(server.port, job_ids, reply(5), pause=0.02)
 
         async def scenario() -> list[list[Event]]:
-            async with AsyncClient(server.url, namespace=NS) as client:
+            async with AsyncClient(server.url, namespace=NS, **CLIENT) as client:
 
                 async def read(job_id: str) -> list[Event]:
                     return [e async for e in client.job(job_id).stream(timeout=20)]
@@ -320,7 +322,7 @@ def test_200_async_readers_share_one_connection(tmp_path: Path) -> None:
 def test_a_new_follower_does_not_wait_for_the_others(redis_url: str, redis_namespace: str) -> None:
     """One XREAD serves every follower; one joining while it blocks is read within about
     block_ms, not after the others' events or a long BLOCK."""
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     idle = client.job("idle").stream(timeout=10)
     blocked = threading.Thread(target=lambda: next(idle, None), daemon=True)
     blocked.start()
@@ -340,7 +342,7 @@ def test_a_new_follower_does_not_wait_for_the_others(redis_url: str, redis_names
 def test_followers_of_one_stream_each_get_their_own_part(
     redis_url: str, redis_namespace: str
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = redis.Redis.from_url(redis_url)
     key = client.keys.reply("shared")
     events = reply(3)

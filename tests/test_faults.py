@@ -19,18 +19,32 @@ import pytest
 import redis
 
 from tests.faults import RedisServer, TcpProxy, WorkerProcess
+from tests.redis_fixtures import CLIENT
 from tests.test_worker_support import (
+    TEST_MODEL,
     WorkerThread,
+    add_raw,
     check_reply,
+    default_queue,
     fast_config,
     make_engine,
+    pending,
+    queued,
     reference_run,
     single_torch_thread,  # noqa: F401
     tiny_model,  # noqa: F401
     wait_for,
 )
 from tokenq.producer.client import Client, Job, make_request
-from tokenq.producer.protocol import GROUP, ErrorEvent, Keys, TokenEvent, decode_event, pack, unpack
+from tokenq.producer.protocol import (
+    NO_TENANT,
+    ErrorEvent,
+    Keys,
+    TokenEvent,
+    decode_event,
+    pack,
+    unpack,
+)
 from tokenq.worker.loop import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -76,8 +90,8 @@ class Run:
             indices = [i for e in events if isinstance(e, TokenEvent) for i in _span(e)]
             assert len(indices) == len(set(indices)), f"{job.id}: a token index twice"
             assert conn.get(keys.job(job.id)) == b"done"
-        assert conn.xlen(keys.jobs) == 0
-        assert conn.xpending(keys.jobs, GROUP)["pending"] == 0
+        assert queued(conn, keys) == 0
+        assert pending(conn, keys) == []
 
 
 def _span(event: TokenEvent) -> range:
@@ -101,7 +115,7 @@ def test_kill_9_of_one_of_two_workers_loses_and_duplicates_nothing(
     redis_namespace: str,
     tmp_path: Path,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     run = Run.submit(client, 8, 250)
     args = ["--claim-idle-ms", "1000", "--max-num-seqs", "4"]
     with (
@@ -111,7 +125,7 @@ def test_kill_9_of_one_of_two_workers_loses_and_duplicates_nothing(
                       consumer="b", extra=args) as b,
     ):  # fmt: skip
         wait_for(lambda: min(run.tokens_so_far()) > 10, timeout=60)
-        held = client.redis.xpending_range(client.keys.jobs, GROUP, "-", "+", 20, "a")
+        held = pending(client.redis, client.keys, "a")
         assert held, "worker a should hold jobs when it is killed"
         a.kill()
         wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
@@ -129,7 +143,7 @@ def test_a_worker_frozen_past_the_claim_time_wakes_up_fenced_out(
     redis_namespace: str,
     tmp_path: Path,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     run = Run.submit(client, 8, 300)
     args = ["--claim-idle-ms", "1000", "--max-num-seqs", "4"]
     with (
@@ -139,7 +153,7 @@ def test_a_worker_frozen_past_the_claim_time_wakes_up_fenced_out(
                       consumer="b", extra=args) as b,
     ):  # fmt: skip
         wait_for(lambda: min(run.tokens_so_far()) > 10, timeout=60)
-        assert client.redis.xpending_range(client.keys.jobs, GROUP, "-", "+", 20, "a")
+        assert pending(client.redis, client.keys, "a")
         a.proc.send_signal(signal.SIGSTOP)
         # b takes a's jobs over once they have been idle past the claim time...
         wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
@@ -170,7 +184,7 @@ def test_three_redis_restarts_under_long_jobs_dead_letter_nothing(
     """Eight 300-token jobs, Redis (AOF) restarted three times for a second while they run,
     no worker dies: every job finishes once, seamlessly, and none is dead-lettered."""
     with RedisServer(tmp_path / "redis") as server:
-        client = Client(server.url, namespace="faults")
+        client = Client(server.url, namespace="faults", **CLIENT)
         run = Run.submit(client, 8, 300)
         conn = redis.Redis.from_url(server.url, socket_timeout=2, socket_connect_timeout=1)
         # A small outbox: the engine pauses while Redis is away, so each restart hits
@@ -198,7 +212,7 @@ def test_cut_and_stalled_publish_replies_duplicate_no_token(
     """Redis runs the publish call but the worker never hears back (the connection is cut,
     or Redis stalls past the socket timeout): re-sending it must write nothing twice."""
     with RedisServer(tmp_path / "redis", aof=False) as server, TcpProxy(server.port) as proxy:
-        client = Client(server.url, namespace="faults")
+        client = Client(server.url, namespace="faults", **CLIENT)
         run = Run.submit(client, 12, 120)
         conn = redis.Redis.from_url(proxy.url, socket_timeout=0.5, socket_connect_timeout=1)
         config = fast_config("faults", max_backoff_s=0.1)
@@ -249,7 +263,7 @@ def hostile_entries(rng: random.Random, good_ids: list[str], n: int) -> list[Fie
         lambda: job(prompt="x", params={"stop": [1, 2]}),
         lambda: job(prompt="x", params={"stop": ["s"] * 100}),
         lambda: job(prompt="x", params={"stop_token_ids": list(range(2000))}),
-        lambda: {**job(**ok), "v": rng.choice(["0", "2", "", "1.0"])},
+        lambda: {**job(**ok), "v": rng.choice(["0", "1", "", "2.0"])},
         lambda: {**job(**ok), "id": rng.choice(["bad id", "x\n", "", "é", "a" * 200])},
         lambda: {**job(**ok), "id": None},  # no id field at all
         lambda: {"data": None},  # no data field
@@ -269,7 +283,7 @@ def huge_entries() -> list[Fields]:
 
 
 def wire(fields: Fields, default_id: str) -> dict[str, Any]:
-    out = {"v": "1", "id": default_id, **fields}
+    out = {"v": "2", "id": default_id, **fields}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -279,9 +293,8 @@ def test_thousands_of_hostile_entries_interleaved_with_good_jobs(
     redis_namespace: str,
 ) -> None:
     rng = random.Random(8)
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
-    conn.xgroup_create(keys.jobs, GROUP, id="0", mkstream=True)
     good = Run.submit(client, 20, 12)
     good_ids = [j.id for j in good.jobs]
     hostile = hostile_entries(rng, good_ids, 2000) + huge_entries()
@@ -292,8 +305,9 @@ def test_thousands_of_hostile_entries_interleaved_with_good_jobs(
     with runner:
         for start in range(0, len(hostile), 50):
             with conn.pipeline(transaction=False) as pipe:
+                pipe.zadd(keys.queues(TEST_MODEL), {f"0:{NO_TENANT}": 0})
                 for i, fields in enumerate(hostile[start : start + 50]):
-                    pipe.xadd(keys.jobs, wire(fields, f"hostile-{start + i}"))
+                    pipe.xadd(default_queue(keys), wire(fields, f"hostile-{start + i}"))
                 pipe.execute()
             more = Run.submit(client, 1, 6, tag=f"good among the bad {start}")
             good.jobs += more.jobs
@@ -307,7 +321,7 @@ def test_thousands_of_hostile_entries_interleaved_with_good_jobs(
                 if j.status() != "done"
             }
             raise AssertionError(f"not done: {stuck}; in flight {list(worker.in_flight)}") from None
-        wait_for(lambda: conn.xlen(keys.jobs) == 0, timeout=60)
+        wait_for(lambda: queued(conn, keys) == 0, timeout=60)
         assert runner.alive()  # the same worker, never restarted
     elapsed = time.monotonic() - started
     good.check(tiny_model)
@@ -345,12 +359,11 @@ def test_dead_letters_keep_a_bounded_prefix_of_huge_entries(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
-    conn.xgroup_create(keys.jobs, GROUP, id="0", mkstream=True)
-    conn.xadd(keys.jobs, {"v": "1", "id": "huge", "data": pack({"prompt": "p" * (10 << 20)})})
+    add_raw(conn, keys, {"v": "2", "id": "huge", "data": pack({"prompt": "p" * (10 << 20)})})
     small = {"prompt": "x", "params": {"nucleus": 1}}
-    conn.xadd(keys.jobs, {"v": "1", "id": "small", "data": pack(small)})
+    add_raw(conn, keys, {"v": "2", "id": "small", "data": pack(small)})
     with WorkerThread(Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))):
         wait_for(lambda: conn.xlen(keys.dead) == 2)
     letters = {d["job_id"]: d for d in dead_letters(conn, keys)}
@@ -367,21 +380,21 @@ def test_a_broken_entry_reusing_a_jobs_id_never_adds_a_terminal_event(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
     run = Run.submit(client, 1, 1000)
     (job,) = run.jobs
-    broken = {"v": "1", "id": job.id, "data": b"\xc1"}
+    broken = {"v": "2", "id": job.id, "data": b"\xc1"}
     worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
     with WorkerThread(worker):
         wait_for(lambda: run.tokens_so_far()[0] > 5)
-        conn.xadd(keys.jobs, broken)  # while the job runs
+        add_raw(conn, keys, broken)  # while the job runs
         wait_for(lambda: conn.xlen(keys.dead) == 1)
         # The job runs on, still this worker's: the broken entry took nothing from it.
         assert job.status() == "running"
         assert conn.get(keys.owner(job.id)) == worker.fence
         wait_for(lambda: job.status() == "done")
-        conn.xadd(keys.jobs, broken)  # after it finished
+        add_raw(conn, keys, broken)  # after it finished
         wait_for(lambda: conn.xlen(keys.dead) == 2)
     run.check(tiny_model)  # one terminal event: the done
     assert job.status() == "done"
@@ -397,21 +410,21 @@ def test_huge_entries_do_not_stall_the_jobs_beside_them(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
     with pytest.raises(ValueError, match="payload_too_large"):
         client.submit("p" * (10 << 20))  # refused before it reaches Redis
     with pytest.raises(ValueError, match="logit_bias"):
         client.submit("x", logit_bias=dict.fromkeys(range(10**6), 1.0))
-    assert not conn.exists(keys.jobs)
+    assert queued(conn, keys) == 0
     run = Run.submit(client, 4, 400)
     worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
     with WorkerThread(worker):
         wait_for(lambda: min(run.tokens_so_far()) > 5)
         for i, fields in enumerate(huge_entries()):
-            conn.xadd(keys.jobs, wire(fields, f"huge-{i}"))
+            add_raw(conn, keys, wire(fields, f"huge-{i}"))
         # Just under the client's bound, and far beyond what the context holds.
-        conn.xadd(keys.jobs, wire({"data": pack({"prompt": "word " * 190_000})}, "long"))
+        add_raw(conn, keys, wire({"data": pack({"prompt": "word " * 190_000})}, "long"))
         gaps = []
         last = time.monotonic()
         for _ in run.jobs[0].stream(timeout=60):
@@ -437,13 +450,13 @@ def test_a_dead_workers_job_is_reclaimed_within_about_the_claim_time(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
     run = Run.submit(client, 1, 60)
     claim_ms = 1000
     config = fast_config(redis_namespace, claim_idle_ms=claim_ms, claim_interval_s=5.0)
     dead = Worker(make_engine(tiny_model), conn, replace(config, consumer="dead"))
-    dead.ensure_group()
+    dead.register()
     while run.tokens_so_far()[0] < 3:
         dead.run_once()
     died = time.monotonic()  # its last heartbeat was no later than this
@@ -467,9 +480,8 @@ def test_a_poison_job_fails_alone_and_its_batch_neighbours_finish(
 ) -> None:
     """A job that breaks the forward pass is isolated and dead-lettered; so are parameters
     that used to crash the sampler. The eight jobs batched with them all finish."""
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
-    conn.xgroup_create(keys.jobs, GROUP, id="0", mkstream=True)
     run = Run.submit(client, 8, 40)
     poison_token = 4242
     vocab = 49152
@@ -484,7 +496,7 @@ def test_a_poison_job_fails_alone_and_its_batch_neighbours_finish(
     }
     for jid, params in raw.items():
         payload = {"prompt": "x", "params": {"max_tokens": 4, **params}}
-        conn.xadd(keys.jobs, {"v": "1", "id": jid, "data": pack(payload)})
+        add_raw(conn, keys, {"v": "2", "id": jid, "data": pack(payload)})
     tiny_temperature = client.submit("x", temperature=1e-300, max_tokens=6, seed=1)
 
     engine = make_engine(tiny_model)
@@ -520,7 +532,7 @@ def test_the_engine_keeps_stepping_while_redis_stalls(
     """Redis frozen for a second (DEBUG SLEEP) while jobs run: the engine steps on through
     it (its events wait in the outboxes), and every job still ends once, seamlessly."""
     with RedisServer(tmp_path / "redis", aof=False) as server:
-        client = Client(server.url, namespace="stall")
+        client = Client(server.url, namespace="stall", **CLIENT)
         run = Run.submit(client, 8, 400)
         conn = redis.Redis.from_url(server.url, socket_timeout=5)
         worker = Worker(make_engine(tiny_model), conn, fast_config("stall", claim_idle_ms=5000))

@@ -61,16 +61,16 @@ def test_payload_is_plain_msgpack_with_vllm_names() -> None:
 
 
 def entry(data: object, **overrides: object) -> dict:
-    return {"v": "1", "id": "j", "data": pack(data), **overrides}
+    return {"v": "2", "id": "j", "data": pack(data), **overrides}
 
 
 @pytest.mark.parametrize(
     ("fields", "code", "job_id"),
     [
-        ({"v": "1", "id": "j", "data": b"\xc1\xc1"}, "invalid_payload", "j"),
+        ({"v": "2", "id": "j", "data": b"\xc1\xc1"}, "invalid_payload", "j"),
         (entry([1, 2]), "invalid_payload", "j"),
-        ({"v": "1", "id": "j"}, "invalid_payload", "j"),
-        ({"v": "1", "data": pack({"prompt": "x"})}, "invalid_request", None),
+        ({"v": "2", "id": "j"}, "invalid_payload", "j"),
+        ({"v": "2", "data": pack({"prompt": "x"})}, "invalid_request", None),
         (entry({"prompt": "x"}, v="9"), "unsupported_version", "j"),
         ({"id": "j", "data": pack({"prompt": "x"})}, "unsupported_version", "j"),
         (entry({"prompt": "x"}, id="bad id!"), "invalid_request", None),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import DEFAULT_MODEL
+from tests.redis_fixtures import CLIENT
 from tests.test_worker_support import WorkerThread, check_reply, fast_config, make_engine
 from tokenq.engine import SamplingParams
 from tokenq.producer.client import Client, make_request
@@ -45,7 +46,7 @@ def test_sixteen_jobs_through_redis_match_the_engine_exactly(
     while engine.has_unfinished():
         direct.update({o.request_id: o for o in engine.step() if o.finished})
 
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     jobs = client.submit_many(make_request(messages=m, **PARAMS) for m in conversations)
     with WorkerThread(Worker(engine, client.redis, fast_config(redis_namespace))):
         replies = {job.id: check_reply(list(job.stream(timeout=300))) for job in jobs}

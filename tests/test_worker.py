@@ -11,11 +11,16 @@ import pytest
 import redis
 import structlog
 
+from tests.redis_fixtures import CLIENT
 from tests.test_worker_support import (
     WorkerThread,
+    add_raw,
     check_reply,
+    default_queue,
     fast_config,
     make_engine,
+    pending,
+    queued,
     reference_run,
     single_torch_thread,  # noqa: F401
     tiny_model,  # noqa: F401
@@ -42,7 +47,7 @@ def test_jobs_stream_tokens_and_match_the_engine(
     redis_namespace: str,
 ) -> None:
     prompts = ["The queue", "Hello there, how", "Once upon a time", "x"]
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     jobs = client.submit_many(
         make_request(p, max_tokens=8 + i, metadata={"n": i}, **GREEDY)
         for i, p in enumerate(prompts)
@@ -68,8 +73,8 @@ def test_jobs_stream_tokens_and_match_the_engine(
         assert 0 <= t.queue_time <= t.time_to_first_token <= t.total
     assert [e.event_id for e in resumed] == [e.event_id for e in results[1].events[4:]]
     # Acknowledged and deleted: nothing left in the stream or pending.
-    assert conn.xlen(client.keys.jobs) == 0
-    assert conn.xpending(client.keys.jobs, "workers")["pending"] == 0
+    assert queued(conn, client.keys) == 0
+    assert pending(conn, client.keys) == []
     assert {job.status() for job in jobs} == {"done"}
     assert 0 < conn.ttl(client.keys.reply(jobs[0].id)) <= 3600
     metrics = {k.decode(): float(v) for k, v in conn.hgetall(client.keys.metrics("w1")).items()}
@@ -94,32 +99,33 @@ def test_bad_input_of_every_kind_never_stops_the_worker(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
-    conn.xgroup_create(keys.jobs, "workers", id="0", mkstream=True)
+    queue = default_queue(keys)
 
-    def raw(job_id: str | None, data: object, v: str = "1") -> None:
+    def raw(job_id: str | None, data: object, v: str = "2") -> None:
         fields = {"v": v, "data": data if isinstance(data, bytes) else pack(data)}
         if job_id is not None:
             fields["id"] = job_id
-        conn.xadd(keys.jobs, fields)
+        add_raw(conn, keys, fields)
 
     # (job id, expected error code); None: only a dead letter, no client to answer.
     bad: list[tuple[str | None, str]] = []
     good = []
 
-    def add_bad(job_id: str | None, code: str, data: object, v: str = "1") -> None:
+    def add_bad(job_id: str | None, code: str, data: object, v: str = "2") -> None:
         raw(job_id, data, v)
         bad.append((job_id, code))
         good.append(client.submit(f"good after {code}", max_tokens=4, **GREEDY))
 
     # Two entries a consumer took and then died with: one was trimmed from the stream
     # while pending, the other is a poison job that workers kept dying on.
-    lost = conn.xadd(keys.jobs, {"v": "1", "id": "b-lost", "data": pack({"prompt": "a"})})
-    poison = conn.xadd(keys.jobs, {"v": "1", "id": "b-poison", "data": pack({"prompt": "a"})})
-    assert len(conn.xreadgroup("workers", "ghost", {keys.jobs: ">"}, count=2)[0][1]) == 2
-    conn.xdel(keys.jobs, lost)
-    conn.xclaim(keys.jobs, "workers", "ghost", 0, [poison], retrycount=5, justid=True)
+    lost = add_raw(conn, keys, {"v": "2", "id": "b-lost", "data": pack({"prompt": "a"})})
+    poison = add_raw(conn, keys, {"v": "2", "id": "b-poison", "data": pack({"prompt": "a"})})
+    conn.xgroup_create(queue, "workers", id="0")
+    assert len(conn.xreadgroup("workers", "ghost", {queue: ">"}, count=2)[0][1]) == 2
+    conn.xdel(queue, lost)
+    conn.xclaim(queue, "workers", "ghost", 0, [poison], retrycount=5, justid=True)
     bad += [(None, "lost_payload"), ("b-poison", "max_deliveries_exceeded")]
     add_bad("b-msgpack", "invalid_payload", b"\xc1\xc1\xc1")
     add_bad(None, "invalid_request", {"prompt": "no id"})
@@ -146,7 +152,7 @@ def test_bad_input_of_every_kind_never_stops_the_worker(
     worker = Worker(
         make_engine(tiny_model, max_model_len=1024),
         conn,
-        fast_config(redis_namespace, model_names=frozenset({"tiny"})),
+        fast_config(redis_namespace),
     )
     runner = WorkerThread(worker)
     with runner:
@@ -168,8 +174,8 @@ def test_bad_input_of_every_kind_never_stops_the_worker(
     assert sorted(d["code"].decode() for d in dead) == sorted(code for _, code in bad)
     msgpack_letter = next(d for d in dead if d["job_id"] == b"b-msgpack")
     assert unpack(msgpack_letter["fields"])[b"data"] == b"\xc1\xc1\xc1"
-    assert conn.xlen(keys.jobs) == 0
-    assert conn.xpending(keys.jobs, "workers")["pending"] == 0
+    assert queued(conn, keys) == 0
+    assert pending(conn, keys) == []
     client.close()
 
 
@@ -178,7 +184,7 @@ def test_cancel_stops_generation_and_frees_the_blocks(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     early = client.submit("cancelled before any worker saw it", max_tokens=50)
     early.cancel()
     engine = make_engine(tiny_model)
@@ -200,7 +206,7 @@ def test_cancel_stops_generation_and_frees_the_blocks(
         early_reply = check_reply(list(early.stream(timeout=30)))
         assert early_reply.done.finish_reason == "cancelled"
         assert early_reply.token_ids == []
-    assert client.redis.xlen(client.keys.jobs) == 0
+    assert queued(client.redis, client.keys) == 0
     client.close()
 
 
@@ -209,7 +215,7 @@ def test_deadline_is_enforced_during_generation(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     worker = Worker(make_engine(tiny_model), client.redis, fast_config(redis_namespace))
     with WorkerThread(worker):
         job = client.submit("long", max_tokens=1900, deadline=time.time() + 0.5, **GREEDY)
@@ -224,7 +230,7 @@ def test_two_workers_share_the_stream_and_each_job_finishes_once(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     jobs = client.submit_many(make_request(f"job {i}", max_tokens=24, **GREEDY) for i in range(12))
     workers = [
         Worker(
@@ -241,7 +247,7 @@ def test_two_workers_share_the_stream_and_each_job_finishes_once(
     assert sum(served) == 12 and min(served) > 0, served
     for job in jobs:
         assert sum(e.type == "done" for e in reply_events(client.redis, client.keys, job.id)) == 1
-    assert client.redis.xlen(client.keys.jobs) == 0
+    assert queued(client.redis, client.keys) == 0
     client.close()
 
 
@@ -250,12 +256,12 @@ def test_a_dead_workers_job_is_reclaimed_and_continued_without_duplicates(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
     job = client.submit("a long story", max_tokens=40, **GREEDY)
     # Worker A takes the job, streams a few tokens, then stops dead (never called again).
     a = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace, consumer="a"))
-    a.ensure_group()
+    a.register()
     while sum(isinstance(e, TokenEvent) for e in reply_events(conn, keys, job.id)) < 5:
         a.run_once()
     assert job.id in a.in_flight
@@ -284,7 +290,7 @@ def test_rerun_continues_a_matching_reply_and_restarts_a_diverged_one(
     redis_namespace: str,
 ) -> None:
     """What a crashed run left in the reply stream decides how the re-run writes."""
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
     params = {"max_tokens": 12, **GREEDY}
     ((deltas, expected),) = reference_run(tiny_model, [{"prompt": "resume me", "params": params}])
@@ -311,15 +317,15 @@ def test_redelivery_of_a_finished_job_does_not_run_it_again(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
     job = client.submit("once", job_id="once", max_tokens=4, **GREEDY)
     worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
     with WorkerThread(worker):
         job.result(timeout=30)
         # A producer that bypasses the job key (or a redelivery) brings the same id back.
-        conn.xadd(keys.jobs, make_request("once", job_id="once", max_tokens=4).to_fields())
-        wait_for(lambda: conn.xlen(keys.jobs) == 0)
+        add_raw(conn, keys, make_request("once", job_id="once", max_tokens=4).to_fields())
+        wait_for(lambda: queued(conn, keys) == 0)
     assert [e.type for e in reply_events(conn, keys, "once")].count("done") == 1
     assert sum(worker.metrics.request_success_total.values()) == 1
     client.close()
@@ -330,7 +336,7 @@ def test_a_worker_holds_no_more_jobs_than_its_engine_admits(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
     jobs = client.submit_many(make_request(f"job {i}", max_tokens=40, **GREEDY) for i in range(6))
     held = []
@@ -338,7 +344,7 @@ def test_a_worker_holds_no_more_jobs_than_its_engine_admits(
         Worker(make_engine(tiny_model, max_num_seqs=2), conn, fast_config(redis_namespace))
     ):
         while not all(j.status() == "done" for j in jobs):
-            held.append(conn.xpending(keys.jobs, "workers")["pending"])
+            held.append(len(pending(conn, keys)))
             time.sleep(0.005)
     assert max(held) == 2  # the other four stayed in the stream for any worker to take
 
@@ -348,7 +354,7 @@ def test_a_live_worker_keeps_its_long_job_from_other_workers(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = client.redis
     # Several claim idle times long: only heartbeats keep it with its owner.
     job = client.submit("a very long job", max_tokens=600, **GREEDY)
@@ -370,13 +376,13 @@ def test_a_restarted_worker_replays_its_own_pending_jobs_first(
     redis_url: str,
     redis_namespace: str,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = client.redis
     job = client.submit("interrupted", max_tokens=30, **GREEDY)
     # No other worker could reclaim it for a minute: only the replay from id 0 can help.
     config = fast_config(redis_namespace, consumer="stable-name", claim_idle_ms=60_000)
     first = Worker(make_engine(tiny_model), conn, config)
-    first.ensure_group()
+    first.register()
     while not any(isinstance(e, TokenEvent) for e in reply_events(conn, client.keys, job.id)):
         first.run_once()
     # The process "dies" here; its successor under the same name starts.

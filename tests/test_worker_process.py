@@ -10,11 +10,14 @@ import pytest
 import redis
 
 from tests.faults import WorkerProcess
+from tests.redis_fixtures import CLIENT
 from tests.test_worker_support import (
     WorkerThread,
     check_reply,
     fast_config,
     make_engine,
+    pending,
+    queued,
     reference_run,
     single_torch_thread,  # noqa: F401
     tiny_model,  # noqa: F401
@@ -55,7 +58,7 @@ def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(
     redis_namespace: str,
     tmp_path: Path,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = client.redis
     jobs, _ = submit(client, 3, 300)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 60) as worker:
@@ -68,8 +71,8 @@ def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(
         reply = check_reply(list(job.stream(timeout=5)))
         assert reply.done.usage.completion_tokens == 300
     assert later.status() == "queued"  # a stopping worker takes no new job
-    assert conn.xlen(client.keys.jobs) == 1
-    assert conn.xpending(client.keys.jobs, "workers")["pending"] == 0
+    assert queued(conn, client.keys) == 1
+    assert pending(conn, client.keys) == []
     client.close()
 
 
@@ -79,17 +82,17 @@ def test_sigterm_past_the_grace_leaves_jobs_for_another_worker(
     redis_namespace: str,
     tmp_path: Path,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 0) as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
         worker.proc.send_signal(signal.SIGTERM)
         worker.wait_clean_exit(timeout=30)
-    pending = conn.xpending_range(client.keys.jobs, "workers", "-", "+", 10)
-    assert len(pending) == 3
+    held = pending(conn, client.keys)
+    assert len(held) == 3
     # Handed back: idle already long enough for any worker's XAUTOCLAIM.
-    assert all(p["time_since_delivered"] >= CLAIM_IDLE_MS for p in pending)
+    assert all(p["time_since_delivered"] >= CLAIM_IDLE_MS for p in held)
     assert all(j.status() == "running" for j in jobs)  # started, not finished
     check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
 
@@ -100,14 +103,14 @@ def test_a_killed_worker_loses_no_job_and_duplicates_no_token(
     redis_namespace: str,
     tmp_path: Path,
 ) -> None:
-    client = Client(redis_url, namespace=redis_namespace)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 30) as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
         worker.proc.kill()
         worker.proc.wait(timeout=30)
-    assert len(conn.xpending_range(client.keys.jobs, "workers", "-", "+", 10)) == 3
+    assert len(pending(conn, client.keys)) == 3
     check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
 
 
@@ -126,6 +129,6 @@ def check_seamless_takeover(
         assert not any(e.type == "restart" for e in reply.events)
         assert reply.done.token_ids == final.token_ids
         assert len(reply.token_ids) == len(final.token_ids) > before
-    assert client.redis.xlen(client.keys.jobs) == 0
-    assert client.redis.xpending(client.keys.jobs, "workers")["pending"] == 0
+    assert queued(client.redis, client.keys) == 0
+    assert pending(client.redis, client.keys) == []
     client.close()

@@ -14,11 +14,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 
 from tests.helpers import make_tiny_llama_dir
+from tests.redis_fixtures import CLIENT, TEST_MODEL  # noqa: F401  (re-exported for tests)
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
-from tokenq.producer.protocol import DoneEvent, Event, RestartEvent, TokenEvent
+from tokenq.producer.protocol import (
+    GROUP,
+    NO_TENANT,
+    DoneEvent,
+    Event,
+    Keys,
+    RestartEvent,
+    TokenEvent,
+)
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.loop import Worker
 
@@ -48,10 +58,48 @@ def make_engine(model: Path | str, **overrides: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), **{**options, **overrides}))
 
 
+def default_queue(keys: Keys) -> str:
+    """The test model's default-lane queue of jobs that name no tenant."""
+    return keys.queue(TEST_MODEL, 0, NO_TENANT)
+
+
+def add_raw(conn: redis.Redis, keys: Keys, fields: dict[str, Any]) -> bytes:
+    """XADD an entry as a producer that skips the client would: into the test model's
+    default queue, listed in the model's set of queues so workers look there."""
+    conn.zadd(keys.queues(TEST_MODEL), {f"0:{NO_TENANT}": 0})
+    return conn.xadd(default_queue(keys), fields)
+
+
+def queue_keys(conn: redis.Redis, keys: Keys) -> list[str]:
+    members = conn.zrange(keys.queues(TEST_MODEL), 0, -1)
+    return [keys.queue(TEST_MODEL, *_split(m.decode())) for m in members]
+
+
+def _split(member: str) -> tuple[int, str]:
+    priority, tenant = member.split(":", 1)
+    return int(priority), tenant
+
+
+def queued(conn: redis.Redis, keys: Keys) -> int:
+    """Entries in the test model's queues (waiting, or running and not yet acknowledged)."""
+    return sum(conn.xlen(q) for q in queue_keys(conn, keys))
+
+
+def pending(conn: redis.Redis, keys: Keys, consumer: str | None = None) -> list[dict]:
+    """Pending entries of the test model's queues (of one consumer, or all)."""
+    rows: list[dict] = []
+    for q in queue_keys(conn, keys):
+        if not conn.exists(q) or not any(g["name"] == GROUP.encode() for g in conn.xinfo_groups(q)):
+            continue
+        rows += conn.xpending_range(q, GROUP, "-", "+", 1000, consumername=consumer)
+    return rows
+
+
 def fast_config(namespace: str, **overrides: Any) -> WorkerConfig:
     """Timings shrunk so that reclaiming and heartbeats happen within a test."""
     options: dict[str, Any] = {
         "namespace": namespace,
+        "served_names": (TEST_MODEL,),
         "block_ms": 20,
         "claim_idle_ms": 400,
         "claim_interval_s": 0.1,

@@ -21,10 +21,12 @@ from tokenq.producer import (
     Job,
     JobFailed,
     JobRequest,
+    ModelInfo,
     QueueFull,
     RedisUnavailable,
     RestartEvent,
     TokenEvent,
+    UnknownModel,
     make_request,
 )
 
@@ -40,9 +42,11 @@ __all__ = [
     "Job",
     "JobFailed",
     "JobRequest",
+    "ModelInfo",
     "QueueFull",
     "RedisUnavailable",
     "RestartEvent",
     "TokenEvent",
+    "UnknownModel",
     "make_request",
 ]

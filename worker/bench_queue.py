@@ -27,6 +27,8 @@ from tokenq.producer.protocol import DoneEvent, ErrorEvent, TokenEvent
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.logs import configure_logging
 
+BENCH_NAME = "bench"  # the model name the benchmark's worker serves
+
 
 @dataclass
 class RunResult:
@@ -65,14 +67,17 @@ def run_queue(
     """The worker runs in the main thread, as `tokenq worker` does; the client beside it."""
     from tokenq.worker.loop import Worker
 
-    worker = Worker(engine, conn, WorkerConfig(namespace=namespace, block_ms=5))
+    config = WorkerConfig(namespace=namespace, block_ms=5, served_names=(BENCH_NAME,))
+    worker = Worker(engine, conn, config)
     outcome: dict[str, Any] = {}
     url = _url_of(conn)
     if url is None:  # fakeredis: the client must share this process
 
         def client_side() -> None:
             try:
-                outcome["result"] = stream_jobs(Client(conn, namespace=namespace), prompts, params)
+                outcome["result"] = stream_jobs(
+                    Client(conn, namespace=namespace, model=BENCH_NAME), prompts, params
+                )
             except BaseException as exc:  # re-raised in the main thread
                 outcome["error"] = exc
             finally:
@@ -102,6 +107,11 @@ def run_queue(
     return outcome["result"]
 
 
+def _client(conn: Any, namespace: str) -> Client:
+    # The worker registers as it starts, maybe after the first submit: queue anyway.
+    return Client(conn, namespace=namespace, model=BENCH_NAME, require_worker=False)
+
+
 def _url_of(conn: Any) -> str | None:
     kwargs = conn.connection_pool.connection_kwargs
     if "host" not in kwargs or type(conn).__module__.startswith("fakeredis"):
@@ -113,7 +123,13 @@ def _client_process(
     url: str, namespace: str, prompts: list[list[int]], params: dict[str, Any], results: Any
 ) -> None:
     try:
-        results.put({"result": stream_jobs(Client(url, namespace=namespace), prompts, params)})
+        results.put(
+            {
+                "result": stream_jobs(
+                    Client(url, namespace=namespace, model=BENCH_NAME), prompts, params
+                )
+            }
+        )
     except BaseException as exc:
         results.put({"error": f"{type(exc).__name__}: {exc}"})
 

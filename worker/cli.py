@@ -22,6 +22,7 @@ import structlog
 
 from tokenq.engine.config import EngineConfig
 from tokenq.producer.cli import common_options, option, parse_size
+from tokenq.producer.protocol import MODEL_RE
 from tokenq.worker.config import WorkerConfig, default_consumer
 from tokenq.worker.logs import configure_logging
 
@@ -86,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (flag, parse, help) in WORKER_OPTIONS.items():
         shown = defaults.get(name, "host-pid")
         option(worker, flag, type=parse, dest=name, help=f"{help} (default {shown})")
+    option(
+        worker,
+        "--served-model-name",
+        type=_names,
+        help="the names jobs use for this model, comma-separated or repeated (vLLM's flag); "
+        "default: the --model alias or file/folder name",
+        action="extend",
+    )
     option(worker, "--log-format", default="json", choices=("json", "console"), help="log lines")
     option(worker, "--log-level", default="info", help="debug, info, warning")
     worker.set_defaults(run=run_worker)
@@ -107,10 +116,18 @@ def main(argv: Sequence[str]) -> int:
     return args.run(args)
 
 
-def served_names(model: str) -> frozenset[str]:
-    """What a job's `model` field may say to reach this worker: the alias or path as
-    given, and the file or folder name."""
-    return frozenset({model, Path(model).name})
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def served_names(model: str, given: list[str] | None) -> tuple[str, ...]:
+    """The names jobs use to reach this worker, its model's id first: the
+    --served-model-name values, else the alias or the file or folder name as given."""
+    names = list(dict.fromkeys(given or [model if "/" not in model else Path(model).name]))
+    bad = [n for n in names if not MODEL_RE.fullmatch(n)]
+    if bad:
+        raise SystemExit(f"tokenq worker: model names must match {MODEL_RE.pattern}: {bad}")
+    return tuple(names)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -124,9 +141,8 @@ def run_worker(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config)
     options = worker_kwargs(args)
     options.setdefault("consumer", default_consumer())
-    config = WorkerConfig(
-        namespace=args.namespace, model_names=served_names(engine_config.model), **options
-    )
+    names = served_names(engine_config.model, args.served_model_name)
+    config = WorkerConfig(namespace=args.namespace, served_names=names, **options)
     conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_keepalive=True)
     worker = Worker(engine, conn, config)
 

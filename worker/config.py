@@ -21,8 +21,9 @@ class WorkerConfig:
     namespace: str = DEFAULT_NAMESPACE
     group: str = GROUP
     consumer: str = field(default_factory=default_consumer)
-    # Names a job's optional ``model`` field may carry; empty accepts any.
-    model_names: frozenset[str] = frozenset()
+    # The names this worker serves (vLLM's --served-model-name), the first the model's id
+    # in `Client.models()`: it consumes the queues of each.
+    served_names: tuple[str, ...] = ()
     block_ms: int = 100  # idle XREADGROUP BLOCK: bounds the reaction time to a stop
     # A job pending this long without a heartbeat belongs to a dead worker.
     claim_idle_ms: int = 60_000
@@ -43,6 +44,12 @@ class WorkerConfig:
     max_outbox_events: int = 65_536
     max_backoff_s: float = 2.0  # between retries while Redis does not answer
     metrics_interval_s: float = 10.0
+    registry_interval_s: float = 5.0  # how often this worker tells the fleet it is alive
+    # Aging: a lane whose oldest waiting job has waited this long is served first, so a
+    # flood of higher-priority work delays lower lanes but never starves them.
+    lane_max_wait_s: dict[str, float] = field(
+        default_factory=lambda: {"interactive": 0.0, "default": 30.0, "batch": 120.0}
+    )
     grace_period_s: float = 30.0
     max_step_failures: int = 3  # consecutive failed engine steps before the worker exits
 

@@ -28,6 +28,9 @@ PROMPTS = (
 )
 
 
+DEMO_NAME = "demo-model"  # the name the demo's worker serves and its client asks for
+
+
 class LiveView:
     """One line per job, redrawn in place on a terminal; plain lines otherwise."""
 
@@ -69,12 +72,14 @@ def run_demo(model: str = DEFAULT_MODEL, max_tokens: int = 48) -> int:
     engine = LLMEngine(EngineConfig(model=model))
     server = fakeredis.FakeServer()
     worker = Worker(
-        engine, fakeredis.FakeRedis(server=server), WorkerConfig(namespace="demo", block_ms=20)
+        engine,
+        fakeredis.FakeRedis(server=server),
+        WorkerConfig(namespace="demo", block_ms=20, served_names=(DEMO_NAME,)),
     )
     thread = threading.Thread(target=worker.run, name="tokenq-worker", daemon=True)
     thread.start()
 
-    client = Client(fakeredis.FakeRedis(server=server), namespace="demo")
+    client = Client(fakeredis.FakeRedis(server=server), namespace="demo", model=DEMO_NAME)
     start = time.monotonic()
     jobs = client.submit_many(
         make_request(

@@ -10,6 +10,7 @@ threads at once.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,8 @@ class EngineDriver:
         # Read by other threads between steps; each is replaced whole, never mutated.
         self.busy = False  # the engine holds requests
         self._free = engine.free_capacity()
+        self._free_by_lane = self._lanes()
+        self.freed = threading.Event()  # set whenever a step or an abort frees a slot
         self.stats: EngineStats = engine.stats()
         # Set by the Redis side while it cannot publish fast enough: no step runs, so the
         # events waiting to be published stop growing.
@@ -83,6 +86,16 @@ class EngineDriver:
     def free_capacity(self) -> int:
         """Requests the engine could admit now, less those sent but not applied yet."""
         return self._free - (self._sent - self._applied)
+
+    @property
+    def free_slots(self) -> tuple[int, int, int]:
+        """As `free_capacity`, per lane (interactive, default, batch): a lane may also use
+        the slots of lower-priority work the engine would preempt for it."""
+        pending = self._sent - self._applied
+        return tuple(max(0, free - pending) for free in self._free_by_lane)  # type: ignore[return-value]
+
+    def _lanes(self) -> tuple[int, ...]:
+        return tuple(self.engine.free_capacity(priority=p) for p in (-1, 0, 1))
 
     def add(self, commands: list[Add]) -> None:
         """Start requests; those sent together are applied together, so one step can
@@ -155,6 +168,10 @@ class EngineDriver:
             self.outputs.put(Refused(add.job_id, "internal_error", message))
 
     def _snapshot(self) -> None:
+        before = self._free
         self.busy = self.engine.has_unfinished()
         self._free = self.engine.free_capacity()
+        self._free_by_lane = self._lanes()
         self.stats = self.engine.stats()
+        if self._free > before or self._free_by_lane[0] > 0:
+            self.freed.set()

@@ -23,7 +23,10 @@ delivery) to find an entry whose delivery it never heard of.
 
 from __future__ import annotations
 
+import json
+import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -37,12 +40,14 @@ import structlog
 from tokenq.producer.protocol import (
     DONE,
     ERROR,
+    LANES,
     RUNNING,
     ErrorEvent,
     Event,
     JobRequest,
     Keys,
     TokenEvent,
+    lane_of,
     pack,
     reply_seq,
 )
@@ -59,13 +64,12 @@ from tokenq.worker.intake import (
 )
 from tokenq.worker.metrics import WorkerMetrics
 from tokenq.worker.replies import Continuation, ReplyHistory, cancelled_before_start
-from tokenq.worker.scripts import Item, Scripts, event_arg
+from tokenq.worker.scripts import Item, Scripts, Taken, event_arg
 
 if TYPE_CHECKING:
     from tokenq.engine.llm_engine import LLMEngine
     from tokenq.engine.outputs import RequestDelta
 
-Entry = tuple[bytes, dict[bytes, bytes]]
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 WAKE = "wake"  # put on the engine's output queue: the publisher has settlements to send
 
@@ -75,9 +79,7 @@ class InFlight:
     """A job this worker owns, from its start until its final event is published."""
 
     job: JobRequest
-    entry_id: bytes
-    fields: dict[bytes, bytes]  # the entry as delivered: the dead letter if the job fails
-    deliveries: int
+    delivery: Taken  # the entry as delivered: settled with the job, its dead letter if fails
     continuation: Continuation
     next_seq: int  # the reply stream sequence id of outbox[0]
     outbox: list[Event] = field(default_factory=list)  # events not yet published
@@ -85,15 +87,6 @@ class InFlight:
     status: str = ""  # the job key's next value, sent with the outbox
     dead: dict[str, Any] | None = None  # a dead letter, sent with a final error
     output: RequestDelta | None = None  # the engine's final output, once finished
-
-
-@dataclass
-class Delivery:
-    """One job stream entry as this worker received it."""
-
-    entry_id: bytes
-    fields: dict[bytes, bytes] | None
-    count: int  # times delivered, this one included
 
 
 @dataclass
@@ -132,11 +125,6 @@ def _append(outbox: list[Event], event: Event, sent: int) -> None:
         outbox.append(event)
 
 
-def _id_key(entry_id: bytes) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq or 0)
-
-
 class Worker:
     """Drives one engine from one job stream.
 
@@ -163,13 +151,13 @@ class Worker:
         self.in_flight: dict[str, InFlight] = {}
         self._settling: list[Item] = []  # entries that end without running, to publish
         # Intake thread only.
-        self._replay_from: bytes | None = b"0-0"  # own pending entries first, then ">"
-        self._group_ready = False
-        self._claim_cursor: bytes = b"0-0"
+        self._replay = True  # first, own pending entries a previous process left
+        self._turn = 0  # rotates which tenant a TAKE serves first
+        self._bells = dict.fromkeys(c.served_names, b"0-0")  # last doorbell seen per model
         self._next_claim = 0.0
         self._intake_backoff = Backoff(c.max_backoff_s)
         # Publisher thread only.
-        self._next_heartbeat = self._next_metrics = 0.0
+        self._next_heartbeat = self._next_metrics = self._next_register = 0.0
         self._publish_backoff = Backoff(c.max_backoff_s)
         self._step_failures = 0
         # Either thread.
@@ -177,7 +165,10 @@ class Worker:
         self._stop_at: float | None = None
         self._halt = threading.Event()  # the Redis threads end
         self._crash: BaseException | None = None
+        self._started_at = round(time.time(), 3)
         self.log = structlog.get_logger("tokenq.worker")
+        if not c.served_names:
+            raise ValueError("a worker serves at least one model name (served_names)")
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -191,19 +182,36 @@ class Worker:
     def stopping(self) -> bool:
         return self._stop_at is not None
 
-    def ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.keys.jobs, self.config.group, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        self._group_ready = True
+    def register(self) -> None:
+        """Tell the fleet what this worker serves (`Client.models()`, UnknownModel); kept
+        fresh on every heartbeat, removed when the worker stops."""
+        c, k = self.config, self.keys
+        now = time.time()
+        info = {
+            "names": json.dumps(list(c.served_names)),
+            "max_model_len": self.engine.max_model_len,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": self._started_at,
+            "heartbeat_at": round(now, 3),
+        }
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(k.worker(c.consumer), mapping=info)
+            pipe.expire(k.worker(c.consumer), max(60, int(3 * c.registry_interval_s)))
+            pipe.zadd(k.workers, {c.consumer: int(now * 1000)})
+            pipe.execute()
+
+    def _deregister(self) -> None:
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zrem(self.keys.workers, self.config.consumer)
+            pipe.delete(self.keys.worker(self.config.consumer))
+            pipe.execute()
 
     def run(self) -> None:
         """Serve until `stop()`, then drain and hand back what did not finish."""
-        self._redis(self.ensure_group, self._intake_backoff)
+        self._redis(self.register, self._publish_backoff)
         structlog.contextvars.bind_contextvars(consumer=self.config.consumer)
-        self.log.info("worker started", stream=self.keys.jobs, group=self.config.group)
+        self.log.info("worker started", models=list(self.config.served_names))
         threads = [
             threading.Thread(target=self._serve, args=(self._intake_pass,), name="tokenq-intake"),
             threading.Thread(target=self._serve, args=(self._publish_pass,), name="tokenq-publish"),
@@ -249,11 +257,7 @@ class Worker:
         resync instead of unwinding the thread. True if it ran."""
         try:
             work()
-        except (*REDIS_ERRORS, redis.ResponseError) as exc:
-            if isinstance(exc, redis.ResponseError):
-                if "NOGROUP" not in str(exc):
-                    raise
-                self._group_ready = False  # Redis came back without our group: make it again
+        except REDIS_ERRORS as exc:
             self._resync = True
             delay = backoff.failed()
             self.log.warning("redis unavailable", error=str(exc), retry_in=delay)
@@ -271,8 +275,12 @@ class Worker:
 
     def _intake(self, block: float) -> None:
         """Resync after a failure, take over orphaned entries, then take new ones."""
-        if not self._group_ready:
-            self.ensure_group()
+        names = self.config.served_names
+        if self._replay:
+            # A previous process with our consumer name died holding these: reading them
+            # with XREADGROUP counts a delivery, as it should.
+            self._take(self.scripts.own(names, replay=True))
+            self._replay = False
         if self._resync:
             self._resync = False
             self._heartbeat()
@@ -286,130 +294,93 @@ class Worker:
             self._reclaim()
         self._admit(block)
 
-    def _capacity(self) -> int:
-        """Entries to take now: what the engine admits; none while the events owed to
-        Redis pile up (Redis is slower than the engine)."""
+    def _slots(self) -> list[int]:
+        """Entries to take now, per lane (interactive, default, batch): what the engine
+        admits of each, counting lower-priority work it would preempt; none while the
+        events owed to Redis pile up (Redis is slower than the engine)."""
         if self._outbox_size() >= self.config.max_outbox_events // 2:
-            return 0
-        return self.driver.free_capacity
+            return [0, 0, 0]
+        return list(self.driver.free_slots)
 
     def _admit(self, block: float) -> None:
-        """Pull only what the engine admits now: the rest of the backlog stays in the
-        stream for other workers."""
-        capacity = self._capacity()
-        if capacity <= 0:
-            time.sleep(min(block, 0.005))
-            return
+        """Pull only what the engine admits now, in lane and priority order: the rest of
+        the backlog stays in the queues for other workers. With nothing to take, wait on
+        the served models' doorbells (producers ring one on every submit)."""
         c = self.config
-        if self._replay_from is not None:
-            # A previous process with our consumer name died holding these: reading them
-            # with XREADGROUP counts a delivery, as it should.
-            resp = self.redis.xreadgroup(
-                c.group, c.consumer, {self.keys.jobs: self._replay_from}, count=capacity
-            )
-            entries = resp[0][1] if resp else []
-            if not entries:
-                self._replay_from = None
-                return
-            self._replay_from = entries[-1][0]
-            self._take(entries, self._delivery_counts([eid for eid, _ in entries]))
-            return
-        block_ms = int(block * 1000) if block else None
-        started = time.monotonic()
-        resp = self.redis.xreadgroup(
-            c.group, c.consumer, {self.keys.jobs: ">"}, count=capacity, block=block_ms or None
-        )
-        entries = resp[0][1] if resp else []
-        if entries:
-            self._take(entries, {})
+        slots = self._slots()
+        taken: list[Taken] = []
+        if max(slots) > 0:
+            self._turn += 1
+            waits = [int(c.lane_max_wait_s.get(lane, 0) * 1000) for lane in LANES]
+            taken = self.scripts.take(c.served_names, slots, waits, self._turn)
+        if taken:
+            self._take(taken)
+        elif block and max(slots) > 0:
+            bells = {self.keys.bell(name): last for name, last in self._bells.items()}
+            started = time.monotonic()
+            resp = self.redis.xread(bells, count=1, block=max(1, int(block * 1000)))
+            for key, entries in resp or []:
+                name = key.decode().removeprefix(self.keys.bell(""))
+                self._bells[name] = entries[-1][0]
+            if not resp:
+                # fakeredis (the demo) answers BLOCK at once: never spin when idle.
+                time.sleep(max(0.0, block - (time.monotonic() - started)))
         elif block:
-            # fakeredis (the demo) answers BLOCK with COUNT at once: never spin when idle.
-            time.sleep(max(0.0, block - (time.monotonic() - started)))
+            self.driver.freed.wait(block)  # full: wait for the engine to free a slot
+            self.driver.freed.clear()
 
     def _reclaim(self) -> None:
         """Take over entries of workers that stopped heartbeating (this counts a delivery:
         the worker that held them is presumed dead)."""
-        capacity = self._capacity()
-        if capacity <= 0:
+        most = max(self._slots())
+        if most <= 0:
             return
         c = self.config
-        cursor, entries, deleted = self.redis.xautoclaim(
-            self.keys.jobs,
-            c.group,
-            c.consumer,
-            c.claim_idle_ms,
-            start_id=self._claim_cursor,
-            count=capacity,
-        )
-        self._claim_cursor = cursor
-        for eid in deleted:
-            # Redis >= 7 drops trimmed entries from the PEL itself and only reports them.
-            self._reject(Delivery(eid, None, 0), lost_payload(), mode="orphan")
-        if entries:
-            self.log.info("reclaimed jobs", count=len(entries))
-            self._take(entries, self._delivery_counts([eid for eid, _ in entries]))
+        taken = self.scripts.reclaim(c.served_names, c.claim_idle_ms, most)
+        for t in taken:
+            if t.fields is None:
+                # Redis >= 7 drops trimmed entries from the PEL itself and only reports them.
+                self._reject(t, lost_payload(), mode="orphan")
+        taken = [t for t in taken if t.fields is not None]
+        if taken:
+            self.log.info("reclaimed jobs", count=len(taken))
+            self._take(taken)
 
     def _take_own_pending(self) -> None:
         """After a Redis failure: entries pending for this consumer that it does not know
-        (their XREADGROUP or XAUTOCLAIM reply was lost), read without counting a delivery."""
-        c = self.config
-        rows = self.redis.xpending_range(
-            self.keys.jobs, c.group, min="-", max="+", count=10_000, consumername=c.consumer
-        )
+        (their XREADGROUP or XAUTOCLAIM answer was lost), read without counting a delivery."""
         with self._lock:
-            known = {inf.entry_id for inf in self.in_flight.values()}
+            known = {inf.delivery.entry_id for inf in self.in_flight.values()}
             known |= {it.entry_id for it in self._settling}
-        unknown = {r["message_id"]: r["times_delivered"] for r in rows}
-        unknown = {eid: n for eid, n in unknown.items() if eid not in known}
-        if not unknown:
-            return
-        with self.redis.pipeline(transaction=False) as pipe:
-            for eid in unknown:
-                pipe.xrange(self.keys.jobs, eid, eid)
-            found = pipe.execute()
-        entries: list[Entry] = []
-        for eid, rows_ in zip(unknown, found, strict=True):
-            if rows_:
-                entries.append(rows_[0])
-            else:
-                self._reject(Delivery(eid, None, unknown[eid]), lost_payload())
-        self.log.info("took back own pending entries", count=len(unknown))
-        self._take(entries, unknown)
+        unknown = [
+            t
+            for t in self.scripts.own(self.config.served_names, replay=False)
+            if t.entry_id not in known
+        ]
+        if unknown:
+            self.log.info("took back own pending entries", count=len(unknown))
+            self._take(unknown)
 
-    def _delivery_counts(self, entry_ids: list[bytes]) -> dict[bytes, int]:
-        if not entry_ids:
-            return {}
-        lo, hi = min(entry_ids, key=_id_key), max(entry_ids, key=_id_key)
-        rows = self.redis.xpending_range(
-            self.keys.jobs,
-            self.config.group,
-            min=lo,
-            max=hi,
-            count=len(entry_ids) + len(self.in_flight) + 16,
-            consumername=self.config.consumer,
-        )
-        return {row["message_id"]: row["times_delivered"] for row in rows}
-
-    def _take(self, entries: list[Entry], counts: dict[bytes, int]) -> None:
-        """Parse delivered entries: reject the bad, start the good. `counts` holds the
-        delivery count of redelivered entries (absent: a first delivery)."""
+    def _take(self, taken: list[Taken]) -> None:
+        """Parse delivered entries: reject the bad, start the good."""
         with self._lock:
-            running = {inf.entry_id for inf in self.in_flight.values()}
-        candidates: list[tuple[Delivery, JobRequest]] = []
-        for eid, fields in entries:
-            if eid in running:
+            running = {inf.delivery.entry_id for inf in self.in_flight.values()}
+        candidates: list[tuple[Taken, JobRequest]] = []
+        c = self.config
+        for delivery in taken:
+            if delivery.entry_id in running:
                 continue
-            delivery = Delivery(eid, fields, counts.get(eid, 1))
-            parsed = parse_entry(
-                fields, delivery.count, self.config.max_deliveries, self.config.limits
-            )
+            if delivery.fields is None:
+                self._reject(delivery, lost_payload())
+                continue
+            parsed = parse_entry(delivery.fields, delivery.count, c.max_deliveries, c.limits)
             if isinstance(parsed, JobRequest):
                 jid = parsed.job_id
                 if jid in self.in_flight or any(jid == job.job_id for _, job in candidates):
-                    self._settle(Item("settle", eid, jid))  # a second entry for a job here
+                    self._settle(self._item("settle", delivery, jid))  # a second entry
                     self._job_log(jid).info("second entry for a running job acknowledged")
                     continue
-                parsed = check_model(parsed, self.config.model_names) or parsed
+                parsed = check_model(parsed, frozenset(c.served_names)) or parsed
             if isinstance(parsed, Rejection):
                 self._reject(delivery, parsed)
             else:
@@ -417,7 +388,13 @@ class Worker:
         if candidates:
             self._start(candidates)
 
-    def _start(self, candidates: list[tuple[Delivery, JobRequest]]) -> None:
+    def _item(self, mode: str, delivery: Taken, job_id: str | None, **fields: Any) -> Item:
+        """A PUBLISH item for an entry, with the backlog counter of its lane."""
+        queue = self.keys.parse_queue(delivery.stream.decode())
+        backlog = None if queue is None else self.keys.backlog(queue[0], lane_of(queue[1]))
+        return Item(mode, delivery.stream, delivery.entry_id, job_id, backlog=backlog, **fields)
+
+    def _start(self, candidates: list[tuple[Taken, JobRequest]]) -> None:
         """Take the owner key and read what the reply stream already holds (one script):
         a worker that ran the job before either wrote before this read (and we see its
         tokens) or finds our fence in the owner key and writes nothing more. Then
@@ -429,17 +406,18 @@ class Worker:
         )
         adds: list[Add] = []
         for (delivery, job), res in zip(candidates, results, strict=True):
-            eid, jid = delivery.entry_id, job.job_id
+            jid = job.job_id
             assert jid is not None
             history = ReplyHistory.from_entries(res.reply)
             if res.verdict == "finished" or history.terminal is not None:
                 self._job_log(jid).info("duplicate delivery of a finished job")
-                self._settle(Item("settle", eid, jid, release=res.verdict == "start"))
+                item = self._item("settle", delivery, jid, release=res.verdict == "start")
+                self._settle(item)
             elif res.verdict == "elsewhere":
                 self._job_log(jid).info("a second entry for a job running on another worker")
-                self._settle(Item("settle", eid, jid))
+                self._settle(self._item("settle", delivery, jid))
             elif res.cancelled:
-                self._cancelled_before_start(eid, job, history)
+                self._cancelled_before_start(delivery, job, history)
             elif job.deadline is not None and job.deadline <= time.time():
                 late = Rejection(
                     "deadline_exceeded",
@@ -457,7 +435,7 @@ class Worker:
         self.driver.add(adds)
 
     def _prepare(
-        self, delivery: Delivery, job: JobRequest, history: ReplyHistory, next_seq: int
+        self, delivery: Taken, job: JobRequest, history: ReplyHistory, next_seq: int
     ) -> Add | None:
         """Tokenize the prompt here, off the engine's thread, and book the job in flight."""
         jid = job.job_id
@@ -473,9 +451,7 @@ class Worker:
             return None
         inf = InFlight(
             job,
-            delivery.entry_id,
-            delivery.fields or {},
-            delivery.count,
+            delivery,
             Continuation(history, job.params.get("logprobs") is not None),
             next_seq,
         )
@@ -497,17 +473,18 @@ class Worker:
         )
 
     def _cancelled_before_start(
-        self, entry_id: bytes, job: JobRequest, history: ReplyHistory
+        self, delivery: Taken, job: JobRequest, history: ReplyHistory
     ) -> None:
-        waited = max(0.0, time.time() - enqueue_time(entry_id))
+        waited = max(0.0, time.time() - enqueue_time(delivery.entry_id))
         done = cancelled_before_start(history, waited, job.metadata)
         self.metrics.request_success_total["cancelled"] += 1
         self._job_log(job.job_id).info("job cancelled before it started")
         events = [event_arg(done)]
-        self._settle(Item("settle", entry_id, job.job_id, status=DONE, events=events, release=True))
+        item = self._item("settle", delivery, job.job_id, status=DONE, events=events, release=True)
+        self._settle(item)
 
     def _reject(
-        self, delivery: Delivery, rejection: Rejection, mode: str = "settle", release: bool = False
+        self, delivery: Taken, rejection: Rejection, mode: str = "settle", release: bool = False
     ) -> None:
         """End an entry with an error, and a dead letter for poison input. `release`: this
         worker took the job for this entry (else the entry's id may belong to a job that
@@ -522,9 +499,12 @@ class Worker:
         if jid is not None:
             error = ErrorEvent(rejection.code, rejection.message, rejection.metadata)
             events = [event_arg(error)]
-        self._settle(Item(mode, eid, jid, status=ERROR, events=events, dead=dead, release=release))
+        item = self._item(
+            mode, delivery, jid, status=ERROR, events=events, dead=dead, release=release
+        )
+        self._settle(item)
 
-    def _dead_letter(self, delivery: Delivery, rejection: Rejection) -> dict[str, Any]:
+    def _dead_letter(self, delivery: Taken, rejection: Rejection) -> dict[str, Any]:
         """The dead-letter entry. The original fields are kept whole up to a size bound,
         so a fixed job can be re-submitted; beyond it only a prefix of each is kept, so a
         flood of huge poison entries cannot grow the dead-letter stream by gigabytes."""
@@ -536,6 +516,7 @@ class Worker:
             share = c.dead_letter_fields_bytes // max(1, len(fields))
             fields = {k[:64]: v[:share] for k, v in list(fields.items())[:16]}
         return {
+            "stream": delivery.stream,
             "entry_id": delivery.entry_id,
             "job_id": rejection.job_id or "",
             "code": rejection.code,
@@ -558,7 +539,7 @@ class Worker:
         """Wait for engine outputs (or a settlement to send), turn them into events, and
         publish everything owed; heartbeats and metrics on their timers."""
         now = time.monotonic()
-        due = self._next_metrics
+        due = min(self._next_metrics, self._next_register)
         if self.in_flight:
             due = min(due, self._next_heartbeat)
         self._collect_outputs(max(0.0, min(wait, due - now)))
@@ -574,6 +555,9 @@ class Worker:
         if now >= self._next_metrics:
             self._next_metrics = now + self.config.metrics_interval_s
             self._redis(self._publish_metrics, self._publish_backoff)
+        if now >= self._next_register:
+            self._next_register = now + self.config.registry_interval_s
+            self._redis(self.register, self._publish_backoff)
         self.driver.paused = self._outbox_size() >= self.config.max_outbox_events
 
     def _collect_outputs(self, wait: float) -> None:
@@ -617,8 +601,7 @@ class Worker:
             error = events[-1]
             assert isinstance(error, ErrorEvent)
             rejection = Rejection(error.code, error.message, out.request_id)
-            delivery = Delivery(inf.entry_id, inf.fields, inf.deliveries)
-            inf.dead = self._dead_letter(delivery, rejection)
+            inf.dead = self._dead_letter(inf.delivery, rejection)
             inf.status = ERROR
             self.metrics.failed(error.code)
             self._job_log(out.request_id).warning("job failed in the engine", message=error.message)
@@ -631,7 +614,7 @@ class Worker:
         rejection = Rejection(
             refused.code, refused.message, refused.job_id, metadata=inf.job.metadata
         )
-        self._reject(Delivery(inf.entry_id, inf.fields, inf.deliveries), rejection, release=True)
+        self._reject(inf.delivery, rejection, release=True)
 
     def _failed(self, failed: Failed) -> None:
         """Every job of a step failed even alone: the device, not a job, is broken. What
@@ -660,14 +643,14 @@ class Worker:
             for inf, outbox, _ in jobs:
                 inf.sent = len(outbox)
         items = [
-            Item(
+            self._item(
                 "run",
-                inf.entry_id,
+                inf.delivery,
                 inf.job.job_id,
-                inf.next_seq,
-                status,
-                [event_arg(ev) for ev in outbox],
-                inf.dead,
+                first_seq=inf.next_seq,
+                status=status,
+                events=[event_arg(ev) for ev in outbox],
+                dead=inf.dead,
             )
             for inf, outbox, status in jobs
         ]
@@ -718,8 +701,8 @@ class Worker:
             queue_time=m.queue_time,
             ttft=m.ttft,
             e2e=m.e2e,
-            deliveries=inf.deliveries,
-            entry_id=inf.entry_id.decode(),
+            deliveries=inf.delivery.count,
+            entry_id=inf.delivery.entry_id.decode(),
         )
 
     def _lose(self, inf: InFlight) -> None:
@@ -737,8 +720,8 @@ class Worker:
         """Reset the idle time of our entries (no delivery counted) so that other workers'
         XAUTOCLAIM leaves long jobs alone; drop jobs whose entries were taken over."""
         with self._lock:
-            by_entry = {inf.entry_id: inf for inf in self.in_flight.values()}
-        gone = self.scripts.keep(list(by_entry))
+            by_entry = {inf.delivery.entry_id: inf for inf in self.in_flight.values()}
+        gone = self.scripts.keep([(i.delivery.stream, e) for e, i in by_entry.items()])
         with self._lock:
             for eid in gone:
                 if by_entry[eid].job.job_id in self.in_flight:
@@ -754,7 +737,8 @@ class Worker:
         self.log.info("handing back unfinished jobs", jobs=[inf.job.job_id for inf in jobs])
         for inf in jobs:
             self.driver.abort(inf.job.job_id)  # type: ignore[arg-type]
-        self.scripts.keep([inf.entry_id for inf in jobs], idle_ms=self.config.claim_idle_ms)
+        entries = [(inf.delivery.stream, inf.delivery.entry_id) for inf in jobs]
+        self.scripts.keep(entries, idle_ms=self.config.claim_idle_ms)
 
     def _shutdown(self) -> None:
         """On the engine's thread once the Redis threads have ended: take what the engine
@@ -766,6 +750,7 @@ class Worker:
                 self._publish()
             self._hand_back()
             self._publish_metrics()
+            self._deregister()
         except redis.RedisError as exc:
             self.log.warning("redis unavailable while stopping", error=str(exc))
         self.driver.pump()  # apply the aborts of what was handed back

@@ -13,6 +13,7 @@ arguments and holds the scripts.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,10 +52,11 @@ return out
 # job's share, so its arguments are compact: each item is one header argument followed by
 # its events (each one argument: a letter for the type, then the msgpack data), and the
 # job's keys are built here from the namespace (tokenq needs one Redis, not a cluster).
-#   KEYS: the job stream, the dead-letter stream
+#   KEYS: the dead-letter stream
 #   ARGV: token, consumer, group, running ttl, reply ttl, dead-letter maxlen, namespace,
-#         then per item: "mode job entry first status release #events #dead" ("-" for
-#         none), the events, the dead letter's field/value pairs
+#         then per item: "mode job stream entry backlog first status release #events #dead"
+#         ("-" for none), the events, the dead letter's field/value pairs. Acknowledging
+#         an entry (XACK, XDEL) also takes it off its lane's backlog counter.
 #   ->    a string of two characters per item: outcome (o ok, l lost, g gone, k kept) and
 #         whether the job's cancel key is set (0/1)
 # mode "run": a job this worker runs. Fenced by the owner key; events go to their sequence
@@ -73,7 +75,7 @@ return out
 PUBLISH = """
 local token, consumer, group = ARGV[1], ARGV[2], ARGV[3]
 local running_ttl, reply_ttl, dead_maxlen, ns = ARGV[4], ARGV[5], ARGV[6], ARGV[7]
-local stream, dead = KEYS[1], KEYS[2]
+local dead = KEYS[1]
 local TYPES = {t = 'token', d = 'done', e = 'error', r = 'restart'}
 
 -- The sequence number of the reply stream's last event (0: empty). Workers write ids
@@ -100,6 +102,13 @@ local function append(reply, first, a, n)
   end
 end
 
+local function ack(stream, entry, backlog)
+  redis.call('XACK', stream, group, entry)
+  if redis.call('XDEL', stream, entry) == 1 and backlog ~= '-' then
+    if tonumber(redis.call('GET', backlog) or '0') > 0 then redis.call('DECR', backlog) end
+  end
+end
+
 local function add_dead(first, n)
   if n > 0 then
     redis.call('XADD', dead, 'MAXLEN', '~', dead_maxlen, '*', unpack(ARGV, first, first + n - 1))
@@ -109,8 +118,8 @@ end
 local out = {}
 local a = 8
 while a <= #ARGV do
-  local mode, jid, entry, first, status, release, nev, ndead = string.match(ARGV[a],
-    '^(%S+) (%S+) (%S+) (%d+) (%S+) (%d) (%d+) (%d+)$')
+  local mode, jid, stream, entry, backlog, first, status, release, nev, ndead = string.match(
+    ARGV[a], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%d+) (%S+) (%d) (%d+) (%d+)$')
   first, nev, ndead = tonumber(first), tonumber(nev), tonumber(ndead)
   if status == '-' then status = '' end
   local ev = a + 1
@@ -134,8 +143,7 @@ while a <= #ARGV do
         redis.call('EXPIRE', reply, reply_ttl)
         redis.call('SET', job, status, 'XX', 'KEEPTTL')
         redis.call('DEL', owner, cancel)
-        redis.call('XACK', stream, group, entry)
-        redis.call('XDEL', stream, entry)
+        ack(stream, entry, backlog)
         add_dead(dl, ndead)
       end
     elseif holder or status == '' or status == 'running' or last_seq(reply) < first + nev - 1 then
@@ -163,8 +171,7 @@ while a <= #ARGV do
     end
     if release == '1' and holder == token then redis.call('DEL', owner) end
     add_dead(dl, ndead)
-    redis.call('XACK', stream, group, entry)
-    redis.call('XDEL', stream, entry)
+    ack(stream, entry, backlog)
   end
   out[#out + 1] = outcome .. cancelled
 end
@@ -174,14 +181,15 @@ return table.concat(out)
 # Keep entries this consumer still holds: reset their idle time (heartbeat) or set it past
 # the claim time (hand back), without bumping delivery counts. An entry another worker has
 # claimed meanwhile is left alone (a plain XCLAIM would steal it back) and reported.
-#   KEYS[1] the job stream; ARGV: group, consumer, idle ms, entry ids
+#   ARGV: group, consumer, idle ms, then stream/entry id pairs
 #   ->    the entry ids that are no longer this consumer's
 KEEP = """
-local stream, group, consumer, idle = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+local group, consumer, idle = ARGV[1], ARGV[2], ARGV[3]
 local gone = {}
-for i = 4, #ARGV do
-  local id = ARGV[i]
-  if #redis.call('XPENDING', stream, group, id, id, 1, consumer) == 1 then
+for i = 4, #ARGV, 2 do
+  local stream, id = ARGV[i], ARGV[i + 1]
+  local mine = redis.pcall('XPENDING', stream, group, id, id, 1, consumer)
+  if not mine.err and #mine == 1 then
     redis.call('XCLAIM', stream, group, consumer, 0, id, 'IDLE', idle, 'JUSTID')
   else
     gone[#gone + 1] = id
@@ -189,6 +197,210 @@ for i = 4, #ARGV do
 end
 return gone
 """
+
+# The queues of the models a worker serves: every "<priority>:<tenant>" member of each
+# model's sorted set, lowest priority value first, then protocol 1's stream (whose entries
+# are answered with a clear error). Shared by the scripts below.
+QUEUES = """
+local function queues(ns, names)
+  local out = {}
+  for _, model in ipairs(names) do
+    local members = redis.call('ZRANGE', ns .. ':queues:' .. model, 0, -1, 'WITHSCORES')
+    for i = 1, #members, 2 do
+      out[#out + 1] = {key = ns .. ':jobs:' .. model .. ':' .. members[i],
+                       member = members[i], set = ns .. ':queues:' .. model,
+                       prio = tonumber(members[i + 1])}
+    end
+  end
+  table.sort(out, function(x, y) return x.prio < y.prio end)
+  if redis.call('EXISTS', ns .. ':jobs') == 1 then
+    out[#out + 1] = {key = ns .. ':jobs', prio = 0}
+  end
+  return out
+end
+
+local function lane(prio)
+  if prio < 0 then return 1 elseif prio == 0 then return 2 else return 3 end
+end
+"""
+
+# Take entries for the engine's free slots, in the order docs/protocol.md promises: a lane
+# whose oldest undelivered job has waited past its lane's max wait first (oldest first),
+# then by priority (interactive, default, batch; lower values first); among queues of one
+# priority (one per tenant), one entry per tenant in turn from a rotating start, so no
+# tenant's backlog holds up another's. Each take uses a slot of every lane. Queues left
+# empty are dropped from their model's set (a submit adds them back, atomically).
+#   ARGV: namespace, group, consumer, now (ms), free slots per lane (3), max wait per lane
+#         in ms (3; 0: never ages), round-robin offset, then the model names served
+#   ->    {stream, entry id, fields} per entry taken
+TAKE = (
+    QUEUES
+    + """
+local ns, group, consumer, now = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local caps = {tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])}
+local max_wait = {tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])}
+local rr = tonumber(ARGV[11])
+local names = {}
+for i = 12, #ARGV do names[#names + 1] = ARGV[i] end
+
+local function read(q, count)
+  local got = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', count,
+                          'STREAMS', q.key, '>')
+  if got and got.err then  -- a new queue: its group starts at its first entry
+    redis.pcall('XGROUP', 'CREATE', q.key, group, '0', 'MKSTREAM')
+    got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', count,
+                     'STREAMS', q.key, '>')
+  end
+  if not got then return {} end
+  return got[1][2]
+end
+
+-- When the oldest entry not yet delivered was added (ms), or nil.
+local function head(q)
+  local info = redis.pcall('XINFO', 'GROUPS', q.key)
+  local from = '-'
+  if not info.err then
+    for _, g in ipairs(info) do
+      for i = 1, #g, 2 do
+        if g[i] == 'name' and g[i + 1] == group then
+          for j = 1, #g, 2 do
+            if g[j] == 'last-delivered-id' then from = '(' .. g[j + 1] end
+          end
+        end
+      end
+    end
+  end
+  local first = redis.pcall('XRANGE', q.key, from, '+', 'COUNT', 1)
+  if first.err or #first == 0 then return nil end
+  return tonumber(string.match(first[1][1], '^(%d+)'))
+end
+
+local all = queues(ns, names)
+local live, aged = {}, {}
+for _, q in ipairs(all) do
+  if redis.call('XLEN', q.key) == 0 then
+    if q.set then
+      redis.call('ZREM', q.set, q.member)
+      redis.call('DEL', q.key)
+    end
+  else
+    q.lane = lane(q.prio)
+    local wait = max_wait[q.lane]
+    local since = wait > 0 and head(q) or nil
+    if since and now - since > wait then
+      q.age = now - since
+      aged[#aged + 1] = q
+    else
+      live[#live + 1] = q
+    end
+  end
+end
+table.sort(aged, function(x, y) return x.age > y.age end)
+
+-- Levels: each aged queue alone, then the live queues grouped by priority.
+local levels = {}
+for _, q in ipairs(aged) do levels[#levels + 1] = {q} end
+for _, q in ipairs(live) do
+  local last = levels[#levels]
+  if last and #aged < #levels and last[1].prio == q.prio then
+    last[#last + 1] = q
+  else
+    levels[#levels + 1] = {q}
+  end
+end
+
+local out = {}
+local function take(q, n)
+  local got = read(q, n)
+  for _, entry in ipairs(got) do
+    out[#out + 1] = {q.key, entry[1], entry[2]}
+    for l = 1, 3 do caps[l] = math.max(0, caps[l] - 1) end
+  end
+  return #got
+end
+
+for _, level in ipairs(levels) do
+  if #level == 1 then
+    local q = level[1]
+    if caps[q.lane] > 0 then take(q, caps[q.lane]) end
+  else
+    local open = {}
+    for i = 1, #level do open[i] = level[((i - 1 + rr) % #level) + 1] end
+    while #open > 0 do
+      local next_round = {}
+      for _, q in ipairs(open) do
+        if caps[q.lane] > 0 and take(q, 1) > 0 then next_round[#next_round + 1] = q end
+      end
+      open = next_round
+    end
+  end
+end
+return out
+"""
+)
+
+# Take over the entries of workers that stopped heartbeating: XAUTOCLAIM on every queue
+# of the served models (this counts a delivery: their worker is presumed dead).
+#   ARGV: namespace, group, consumer, min idle ms, most entries, then the model names
+#   ->    {stream, entry id, fields or false (trimmed while pending)} per entry claimed
+RECLAIM = (
+    QUEUES
+    + """
+local ns, group, consumer, idle, left = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local names = {}
+for i = 6, #ARGV do names[#names + 1] = ARGV[i] end
+local out = {}
+for _, q in ipairs(queues(ns, names)) do
+  if left <= 0 then break end
+  local got = redis.pcall('XAUTOCLAIM', q.key, group, consumer, idle, '0-0', 'COUNT', left)
+  if not got.err then
+    for _, entry in ipairs(got[2]) do
+      local row = redis.call('XPENDING', q.key, group, entry[1], entry[1], 1)
+      out[#out + 1] = {q.key, entry[1], entry[2], row[1] and row[1][4] or 1}
+      left = left - 1
+    end
+    for _, id in ipairs(got[3] or {}) do out[#out + 1] = {q.key, id, false, 0} end
+  end
+end
+return out
+"""
+)
+
+# This consumer's own pending entries on every queue: after a Redis failure, read without
+# counting a delivery (XPENDING + XRANGE: an entry whose delivery answer was lost is found);
+# at start-up, read with XREADGROUP from 0, which counts one (the process that held them
+# died).
+#   ARGV: namespace, group, consumer, "replay" or "look", then the model names
+#   ->    {stream, entry id, deliveries, fields or false (trimmed)} per entry
+OWN = (
+    QUEUES
+    + """
+local ns, group, consumer, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local names = {}
+for i = 5, #ARGV do names[#names + 1] = ARGV[i] end
+local out = {}
+for _, q in ipairs(queues(ns, names)) do
+  local rows = redis.pcall('XPENDING', q.key, group, '-', '+', 10000, consumer)
+  if not rows.err and #rows > 0 then
+    local counts = {}
+    for _, row in ipairs(rows) do counts[row[1]] = row[4] end
+    if mode == 'replay' then
+      local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 10000,
+                             'STREAMS', q.key, '0')
+      for _, entry in ipairs(got[1][2]) do
+        out[#out + 1] = {q.key, entry[1], counts[entry[1]] + 1, entry[2] or false}
+      end
+    else
+      for _, row in ipairs(rows) do
+        local found = redis.call('XRANGE', q.key, row[1], row[1])
+        out[#out + 1] = {q.key, row[1], row[4], found[1] and found[1][2] or false}
+      end
+    end
+  end
+end
+return out
+"""
+)
 
 
 @dataclass
@@ -203,6 +415,7 @@ class Item:
     """One job's or entry's share of a PUBLISH call."""
 
     mode: str  # "run", "settle" or "orphan"
+    stream: bytes  # the queue the entry came from
     entry_id: bytes
     job_id: str | None
     first_seq: int = 0  # "run": the sequence id of events[0]
@@ -210,6 +423,7 @@ class Item:
     events: list[bytes] = field(default_factory=list)  # event_arg() of each
     dead: dict[str, Any] | None = None  # a dead-letter entry to add
     release: bool = False  # "settle": this worker took the job's owner key for this entry
+    backlog: str | None = None  # the lane's backlog counter, decremented on acknowledgement
 
 
 OUTCOMES = {b"o": "ok", b"l": "lost", b"g": "gone", b"k": "kept"}
@@ -221,8 +435,18 @@ def event_arg(event: Event) -> bytes:
     return TYPE_LETTERS[event.type] + pack(event.to_data())
 
 
+@dataclass
+class Taken:
+    """An entry a script handed this worker."""
+
+    stream: bytes
+    entry_id: bytes
+    fields: dict[bytes, bytes] | None  # None: trimmed from the stream while pending
+    count: int = 1  # deliveries, this one included
+
+
 class Scripts:
-    """The three scripts bound to one connection and namespace."""
+    """The worker's scripts bound to one connection, namespace and consumer."""
 
     def __init__(self, conn: redis.Redis, keys: Keys, group: str, consumer: str) -> None:
         self.keys = keys
@@ -231,6 +455,9 @@ class Scripts:
         self._start = conn.register_script(START)
         self._publish = conn.register_script(PUBLISH)
         self._keep = conn.register_script(KEEP)
+        self._take = conn.register_script(TAKE)
+        self._reclaim = conn.register_script(RECLAIM)
+        self._own = conn.register_script(OWN)
 
     def start(
         self, token: bytes, owner_ttl_s: int, jobs: Sequence[tuple[str, bool]]
@@ -253,6 +480,34 @@ class Scripts:
             for verdict, cancelled, reply in rows
         ]
 
+    def take(
+        self,
+        names: Sequence[str],
+        slots: Sequence[int],
+        max_wait_ms: Sequence[int],
+        turn: int,
+    ) -> list[Taken]:
+        """Entries for the free slots of each lane (interactive, default, batch); see TAKE."""
+        args: list[Any] = [self.keys.namespace, self.group, self.consumer]
+        args += [int(time.time() * 1000), *slots, *max_wait_ms, turn, *names]
+        rows = self._take(args=args)
+        return [Taken(stream, eid, _pairs(fields)) for stream, eid, fields in rows]
+
+    def reclaim(self, names: Sequence[str], idle_ms: int, most: int) -> list[Taken]:
+        args = [self.keys.namespace, self.group, self.consumer, idle_ms, most, *names]
+        return [
+            Taken(stream, eid, _pairs(fields) if fields else None, int(count))
+            for stream, eid, fields, count in self._reclaim(args=args)
+        ]
+
+    def own(self, names: Sequence[str], replay: bool) -> list[Taken]:
+        args = [self.keys.namespace, self.group, self.consumer, "replay" if replay else "look"]
+        rows = self._own(args=[*args, *names])
+        return [
+            Taken(stream, eid, _pairs(fields) if fields else None, int(count))
+            for stream, eid, count, fields in rows
+        ]
+
     def publish(
         self,
         token: bytes,
@@ -267,25 +522,28 @@ class Scripts:
         for it in items:
             dead = [x for pair in (it.dead or {}).items() for x in pair]
             header = (
-                f"{it.mode} {it.job_id or '-'} {it.entry_id.decode()} {it.first_seq} "
-                f"{it.status or '-'} {int(it.release)} {len(it.events)} {len(dead)}"
+                f"{it.mode} {it.job_id or '-'} {it.stream.decode()} {it.entry_id.decode()} "
+                f"{it.backlog or '-'} {it.first_seq} {it.status or '-'} {int(it.release)} "
+                f"{len(it.events)} {len(dead)}"
             )
             args.append(header)
             args += it.events
             args += dead
-        answer = self._publish(keys=[self.keys.jobs, self.keys.dead], args=args)
+        answer = self._publish(keys=[self.keys.dead], args=args)
         return [
             (OUTCOMES[answer[i : i + 1]], answer[i + 1 : i + 2] == b"1")
             for i in range(0, len(answer), 2)
         ]
 
-    def keep(self, entry_ids: Sequence[bytes], idle_ms: int = 0) -> set[bytes]:
-        """Heartbeat (idle 0) or hand back (idle = claim time) this consumer's entries;
-        returns those it no longer holds."""
-        if not entry_ids:
+    def keep(self, entries: Sequence[tuple[bytes, bytes]], idle_ms: int = 0) -> set[bytes]:
+        """Heartbeat (idle 0) or hand back (idle = claim time) this consumer's entries,
+        given as (stream, entry id); returns the ids it no longer holds."""
+        if not entries:
             return set()
-        args = [self.group, self.consumer, idle_ms, *entry_ids]
-        return set(self._keep(keys=[self.keys.jobs], args=args))
+        args: list[Any] = [self.group, self.consumer, idle_ms]
+        for stream, eid in entries:
+            args += [stream, eid]
+        return set(self._keep(args=args))
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
