@@ -1,0 +1,242 @@
+"""A fleet on one Redis: jobs routed by model, priority lanes across the whole backlog,
+tenants served in turn, back-pressure per lane."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.helpers import make_tiny_llama_dir
+from tests.test_worker_support import (
+    WorkerThread,
+    check_reply,
+    fast_config,
+    make_engine,
+    reference_run,
+    single_torch_thread,  # noqa: F401
+    tiny_model,  # noqa: F401
+    wait_for,
+)
+from tokenq import Client, QueueFull, UnknownModel
+from tokenq.producer.client import make_request
+from tokenq.producer.protocol import ErrorEvent, pack
+from tokenq.worker.loop import Worker
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two different tiny Llamas: the same prompt gives different tokens on each."""
+    return {
+        name: make_tiny_llama_dir(tmp_path_factory.mktemp(name), seed=seed)
+        for name, seed in (("alpha", 1), ("beta", 2))
+    }
+
+
+def worker_for(model: Path, name: str, namespace: str, conn: redis.Redis, **kw: object) -> Worker:
+    config = fast_config(namespace, served_names=(name,), consumer=f"{name}-{kw.pop('n', 0)}")
+    engine = make_engine(model, **kw.pop("engine", {}))  # type: ignore[arg-type]
+    return Worker(engine, conn, replace(config, **kw))
+
+
+def two_slot_worker(model: Path, namespace: str, conn: redis.Redis, **kw: object) -> Worker:
+    """A worker that runs two jobs at a time: the rest of a backlog waits in Redis."""
+    return worker_for(model, "tiny", namespace, conn, engine={"max_num_seqs": 2}, **kw)
+
+
+def test_two_models_share_one_redis_and_each_job_reaches_its_model(
+    two_models: dict[str, Path], redis_url: str, redis_namespace: str
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    conn = client.redis
+    workers = [
+        worker_for(path, name, redis_namespace, conn, n=i)
+        for name, path in two_models.items()
+        for i in range(2)
+    ]
+    threads = [WorkerThread(w) for w in workers]
+    for t in threads:
+        t.__enter__()
+    try:
+        wait_for(lambda: {m.id: m.workers for m in client.models()} == {"alpha": 2, "beta": 2})
+        prompts = [f"story {i}" for i in range(8)]
+        jobs = [
+            (name, p, client.submit(p, model=name, max_tokens=12, **GREEDY))
+            for p in prompts
+            for name in two_models
+        ]
+        replies = [(name, p, check_reply(list(job.stream(timeout=60)))) for name, p, job in jobs]
+    finally:
+        for t in reversed(threads):
+            t.__exit__(None, None, None)
+    for name, path in two_models.items():
+        mine = [(p, r) for n, p, r in replies if n == name]
+        expected = reference_run(
+            path, [{"prompt": p, "params": {"max_tokens": 12, **GREEDY}} for p, _ in mine]
+        )
+        for (_, reply), (_, final) in zip(mine, expected, strict=True):
+            assert reply.done.token_ids == final.token_ids
+    alpha = [r.done.token_ids for n, _, r in replies if n == "alpha"]
+    beta = [r.done.token_ids for n, _, r in replies if n == "beta"]
+    assert alpha != beta  # really two models
+    served = [sum(w.metrics.request_success_total.values()) for w in workers]
+    assert sum(served) == 16 and all(n > 0 for n in served[::2]), served
+    assert conn.xlen(client.keys.dead) == 0
+    client.close()
+
+
+def test_a_model_no_live_worker_serves_fails_at_once_unless_queued_anyway(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    with pytest.raises(UnknownModel, match="no live worker serves model 'tiny'"):
+        client.submit("x", model="tiny")
+    with pytest.raises(UnknownModel, match="no model given"):
+        client.submit("x")
+    early = client.submit("x", model="tiny", queue_anyway=True, max_tokens=3, **GREEDY)
+    config = fast_config(redis_namespace, served_names=("tiny", "tiny-alias"))
+    with WorkerThread(Worker(make_engine(tiny_model), client.redis, config)):
+        wait_for(lambda: bool(client.models()))
+        (info,) = client.models()
+        assert (info.id, info.aliases, info.workers) == ("tiny", ("tiny-alias",), 1)
+        assert info.max_model_len == 2048  # the tiny model's context
+        assert early.result(timeout=30).usage.completion_tokens == 3
+        # The one model served is every job's default; an alias reaches the same worker.
+        assert client.submit("y", max_tokens=2).result(timeout=30).usage.completion_tokens == 2
+        aliased = client.submit("z", model="tiny-alias", max_tokens=2)
+        assert aliased.result(timeout=30).usage.completion_tokens == 2
+        with pytest.raises(UnknownModel):
+            client.submit("x", model="gpt-9")
+    # Stopped workers leave the registry.
+    assert client.models() == []
+    client.close()
+
+
+def test_interactive_jobs_overtake_a_batch_backlog(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace, model="tiny", require_worker=False)
+    backlog = client.submit_many(
+        make_request(f"batch {i}", priority=5, max_tokens=60, **GREEDY) for i in range(30)
+    )
+    urgent = client.submit_many(
+        make_request(f"urgent {i}", lane="interactive", max_tokens=8, **GREEDY) for i in range(3)
+    )
+    worker = worker_for(
+        tiny_model, "tiny", redis_namespace, client.redis, engine={"max_num_seqs": 2}
+    )
+    with WorkerThread(worker):
+        for job in urgent:
+            job.result(timeout=60)
+        done_batch = sum(j.status() == "done" for j in backlog)
+        for job in backlog:
+            job.result(timeout=120)
+    # The interactive jobs came last but ran as soon as a slot freed.
+    assert done_batch <= 4, done_batch
+    client.close()
+
+
+def test_one_tenants_flood_does_not_hold_up_another_tenant(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace, model="tiny", require_worker=False)
+    flood = client.submit_many(
+        make_request(f"flood {i}", tenant="acme", max_tokens=20, **GREEDY) for i in range(40)
+    )
+    few = client.submit_many(
+        make_request(f"few {i}", tenant="bob", max_tokens=20, **GREEDY) for i in range(3)
+    )
+    worker = worker_for(
+        tiny_model, "tiny", redis_namespace, client.redis, engine={"max_num_seqs": 2}
+    )
+    with WorkerThread(worker):
+        for job in few:
+            job.result(timeout=60)
+        flood_done = sum(j.status() == "done" for j in flood)
+        for job in flood:
+            job.result(timeout=120)
+    # Served in turn: bob waited for about as many of acme's jobs as he had himself.
+    assert flood_done <= 6, flood_done
+    client.close()
+
+
+def test_queue_full_is_per_lane_and_names_it(redis_url: str, redis_namespace: str) -> None:
+    caps = {"interactive": 5, "default": 5, "batch": 2}
+    client = Client(
+        redis_url, namespace=redis_namespace, model="tiny", require_worker=False, max_backlog=caps
+    )
+    client.submit_many(make_request(f"b{i}", lane="batch") for i in range(2))
+    with pytest.raises(QueueFull) as full:
+        client.submit("b3", lane="batch")
+    assert (full.value.lane, full.value.backlog, full.value.max_backlog) == ("batch", 2, 2)
+    assert "tiny batch lane" in str(full.value)
+    # A batch flood never refuses interactive or default work.
+    client.submit("now", lane="interactive")
+    client.submit("soon")
+    client.close()
+
+
+def test_a_starved_lane_ages_up(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    """A default job behind a steady interactive flood still runs once it has waited its
+    lane's max wait."""
+    client = Client(redis_url, namespace=redis_namespace, model="tiny", require_worker=False)
+    patient = client.submit("patient", max_tokens=4, **GREEDY)
+    flood = client.submit_many(
+        make_request(f"urgent {i}", lane="interactive", max_tokens=30, **GREEDY) for i in range(40)
+    )
+    waits = {"interactive": 0.0, "default": 0.3, "batch": 0.3}
+    worker = two_slot_worker(tiny_model, redis_namespace, client.redis, lane_max_wait_s=waits)
+    with WorkerThread(worker):
+        patient.result(timeout=60)
+        still_waiting = sum(j.status() == "queued" for j in flood)
+        for job in flood:
+            job.result(timeout=120)
+    assert still_waiting > 0  # it did not just wait for the flood to drain
+    client.close()
+
+
+def test_a_protocol_1_entry_gets_a_clear_error(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace, model="tiny", require_worker=False)
+    conn, keys = client.redis, client.keys
+    conn.xadd(keys.jobs, {"v": "1", "id": "old", "data": pack({"prompt": "x"})})
+    with WorkerThread(Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))):
+        (event,) = client.job("old").stream(timeout=30)
+    assert isinstance(event, ErrorEvent) and event.code == "unsupported_version"
+    assert "speaks 2" in event.message
+    wait_for(lambda: conn.xlen(keys.jobs) == 0)
+    client.close()
+
+
+def test_the_registry_shows_each_worker_and_its_heartbeat(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace)
+    worker = Worker(make_engine(tiny_model), client.redis, fast_config(redis_namespace))
+    with WorkerThread(worker):
+        wait_for(lambda: bool(client.models()))
+        first = client.models()[0].heartbeat_at
+        assert abs(first - time.time()) < 10
+    client.close()
