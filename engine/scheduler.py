@@ -27,6 +27,10 @@ Rules that keep preemption from thrashing:
   other back and forth. Lower priorities wait while higher-priority work keeps the engine
   full (strict priority, as in vLLM).
 
+The token budget is no cause for preemption: running requests are served first, so a
+higher-priority request may wait while lower-priority prefills already running take the
+whole budget. That wait is bounded: those prefills end, and new ones are admitted after it.
+
 Because the waiting queue keeps arrival order, a preempted request goes back ahead of
 everything of its priority that arrived after it, so nothing starves within a priority level.
 
@@ -112,10 +116,10 @@ class Scheduler:
         """How many more requests to take now: free sequence slots, and KV blocks left
         after what the queued requests will need, at the recent mean request size.
 
-        With a ``priority``: how many requests of that priority, counting the running and
-        waiting requests of strictly lower priority as room, since admitting them would
-        preempt those (a worker full of batch jobs keeps taking interactive ones). The
-        blocks a reclaimable request holds count whole, shared prefix blocks included."""
+        With a ``priority``: how many requests of that priority. Running and waiting
+        requests of strictly lower priority count as room, since such a request would be
+        admitted ahead of them, preempting them (so a worker full of batch jobs keeps
+        taking interactive ones). Their blocks count whole, shared prefix blocks included."""
 
         def stays(seq: Sequence) -> bool:
             return priority is None or seq.priority <= priority
@@ -189,12 +193,16 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in order, each with its cached prefix and a first chunk,
-        preempting lower-priority running requests for it where that makes room."""
+        preempting lower-priority running requests for it where that makes room. The chunk
+        is sized by the budget before preempting: the budget a victim gives back goes to
+        the requests after it, so no more is preempted than that chunk needs."""
         bm = self.block_manager
         while self.waiting and budget > 0:
             seq = self.waiting[0][1]
             if seq in out.preempted:
                 break  # never back in the step that preempted it
+            if len(self.running) >= self.max_num_seqs and self.running[-1].priority <= seq.priority:
+                break  # no slot to be had: spare hashing its prompt
             hits = bm.match_prefix(seq)
             computed = len(hits) * bm.block_size
             n = min(seq.num_tokens - computed, budget)
