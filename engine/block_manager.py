@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tokenq.engine.sequence import Sequence
@@ -102,11 +103,24 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, num_new_blocks: int, reusable: list[int] = ()) -> bool:
+    def can_allocate(
+        self,
+        num_new_blocks: int,
+        reusable: list[int] = (),
+        released: Mapping[int, int] | None = None,
+    ) -> bool:
         """Whether ``num_new_blocks`` fresh blocks can be had after taking ``reusable``
-        cached blocks (some of which may sit in the free list and would leave it)."""
-        taken_from_free = sum(1 for b in reusable if self.blocks[b].ref_count == 0)
-        return num_new_blocks <= len(self.free) - taken_from_free
+        cached blocks (some of which may sit in the free list and would leave it), once
+        the references in ``released`` (block id -> how many) are dropped. A block is free
+        only when its last reference goes: one shared with a request that stays is not."""
+        released = released or {}
+
+        def free_after(block_id: int) -> bool:
+            return self.blocks[block_id].ref_count == released.get(block_id, 0)
+
+        freed = sum(1 for b in released if free_after(b))
+        taken_from_free = sum(1 for b in reusable if free_after(b))
+        return num_new_blocks <= len(self.free) + freed - taken_from_free
 
     def allocate_prefix(self, seq: Sequence, hits: list[int]) -> None:
         """Start ``seq`` on its cached prefix blocks: their tokens count as computed."""

@@ -240,8 +240,10 @@ class LLMEngine:
         return bool(self.requests)
 
     def free_capacity(self, priority: int | None = None) -> int:
-        """How many more requests to take now (see ``Scheduler.free_capacity``)."""
-        return self.scheduler.free_capacity()
+        """How many more requests to take now (see ``Scheduler.free_capacity``). With a
+        ``priority``, how many of that priority: running and waiting requests of strictly
+        lower priority count as room, since admitting such a request preempts them."""
+        return self.scheduler.free_capacity(priority)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -268,7 +270,10 @@ class LLMEngine:
         """
         outputs = self._expire_deadlines()
         sched = self.scheduler.schedule()
+        causes = Counter(sched.preempted.values())
         self.counters["preemptions"] += len(sched.preempted)
+        self.counters["preemptions_kv_cache"] += causes["kv_cache"]
+        self.counters["preemptions_priority"] += causes["priority"]
         if not sched.scheduled:
             return outputs
         ran, culprits = self._run(sched.scheduled, finished=outputs)

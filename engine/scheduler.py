@@ -1,13 +1,38 @@
 """Token-budget continuous batching with chunked prefill and recompute preemption.
 
 Each step is one forward pass. Running requests are served first, in (priority, arrival)
-order: decodes take one token each, unfinished prefills take a chunk of what budget is
-left. Then waiting requests are admitted in the same order while the token budget, the
-sequence cap and the KV pool allow. When a running request needs a block and none is free,
-the running request that comes last in that order (lowest priority, newest) is preempted:
-its blocks are freed and it waits again, keeping its output, to recompute later. Because
-the waiting queue keeps arrival order, a preempted request goes back ahead of everything
-that arrived after it, so nothing starves within a priority level.
+order (lower priority value first, as in vLLM): decodes take one token each, unfinished
+prefills take a chunk of what budget is left. Then waiting requests are admitted in the
+same order while the token budget, the sequence cap and the KV pool allow.
+
+Preemption is by recompute: the request's blocks are freed and it waits again, keeping its
+output, to prefill prompt and output again later and go on exactly where it was. It has
+two causes (vLLM's priority policy):
+
+- ``kv_cache``: a running request needs a block and none is free. The running request that
+  comes last in (priority, arrival) order (lowest priority, newest) is preempted.
+- ``priority``: the first waiting request cannot be admitted, for want of a sequence slot
+  or of KV blocks, while running requests of strictly lower priority hold them. Those are
+  preempted, lowest priority and newest first, just as many as it takes to admit it; none
+  if even all of them would not make room. Without this an interactive request would wait
+  for a full batch of long low-priority generations to end.
+
+Rules that keep preemption from thrashing:
+
+- a step whose running requests ran out of blocks admits nothing: the pool is full;
+- a request preempted in a step is not admitted again in that step: admission stops at it
+  (the waiting queue is in (priority, arrival) order, so nothing behind it ranks higher);
+- priority preemption only ever takes requests of strictly lower priority, so requests of
+  one priority never preempt each other for it, and no two requests can preempt each
+  other back and forth. Lower priorities wait while higher-priority work keeps the engine
+  full (strict priority, as in vLLM).
+
+The token budget is no cause for preemption: running requests are served first, so a
+higher-priority request may wait while lower-priority prefills already running take the
+whole budget. That wait is bounded: those prefills end, and new ones are admitted after it.
+
+Because the waiting queue keeps arrival order, a preempted request goes back ahead of
+everything of its priority that arrived after it, so nothing starves within a priority level.
 
 The scheduler also keeps the books of a step that ran (``commit``: computed tokens, full
 blocks named for the prefix cache) and estimates how much more work fits
@@ -16,11 +41,16 @@ blocks named for the prefix cache) and estimates how much more work fits
 
 from __future__ import annotations
 
+import bisect
 import heapq
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal
 
 from tokenq.engine.block_manager import BlockManager
 from tokenq.engine.sequence import RequestState, Sequence
+
+PreemptCause = Literal["kv_cache", "priority"]
 
 
 @dataclass
@@ -43,7 +73,7 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: dict[Sequence, PreemptCause] = field(default_factory=dict)  # in order
 
 
 class Scheduler:
@@ -60,7 +90,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len or block_manager.num_blocks * block_manager.block_size
         self.waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # kept in sort_key order: the last is preempted first
         self._recent_request_tokens = 256.0  # running mean of prompt + max_tokens, for admission
 
     @property
@@ -82,14 +112,26 @@ class Scheduler:
     def _enqueue(self, seq: Sequence) -> None:
         heapq.heappush(self.waiting, (seq.sort_key, seq))
 
-    def free_capacity(self) -> int:
+    def free_capacity(self, priority: int | None = None) -> int:
         """How many more requests to take now: free sequence slots, and KV blocks left
-        after what the queued requests will need, at the recent mean request size."""
-        slots = self.max_num_seqs - len(self.running) - len(self.waiting)
+        after what the queued requests will need, at the recent mean request size.
+
+        With a ``priority``: how many requests of that priority. Running and waiting
+        requests of strictly lower priority count as room, since such a request would be
+        admitted ahead of them, preempting them (so a worker full of batch jobs keeps
+        taking interactive ones). Their blocks count whole, shared prefix blocks included."""
+
+        def stays(seq: Sequence) -> bool:
+            return priority is None or seq.priority <= priority
+
+        running = [s for s in self.running if stays(s)]
+        waiting = [s for _, s in self.waiting if stays(s)]
+        reclaimable = sum(len(s.block_table) for s in self.running if not stays(s))
+        slots = self.max_num_seqs - len(running) - len(waiting)
         bm = self.block_manager
-        queued = sum(bm.blocks_needed(seq.num_tokens + 1) for _, seq in self.waiting)
-        running_growth = len(self.running)  # one block of headroom each
-        spare = bm.num_free_blocks - queued - running_growth
+        queued = sum(bm.blocks_needed(s.num_tokens + 1) for s in waiting)
+        running_growth = len(running)  # one block of headroom each
+        spare = bm.num_free_blocks + reclaimable - queued - running_growth
         per_request = bm.blocks_needed(int(self._recent_request_tokens))
         return max(0, min(slots, spare // max(1, per_request)))
 
@@ -104,53 +146,101 @@ class Scheduler:
                 heapq.heapify(self.waiting)
         self.block_manager.free_seq(seq)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, cause: PreemptCause, out: SchedulerOutput) -> int:
+        """Send a running request back to wait, its blocks freed and its output kept.
+        Returns the tokens this step had already given it, which are unspent again."""
         self.running.remove(seq)
         self.block_manager.free_seq(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.transition(RequestState.PREEMPTED)
         self._enqueue(seq)
-        out.preempted.append(seq)
+        out.preempted[seq] = cause
+        entry = next((s for s in out.scheduled if s.seq is seq), None)
+        if entry is None:
+            return 0
+        out.scheduled.remove(entry)
+        return entry.num_tokens
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        budget = self._schedule_running(out)
+        # Admitting new work in a step whose running requests ran out of blocks would only
+        # thrash the pool.
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        """Serve running requests in order, preempting from the back for blocks; returns
+        the token budget left."""
         budget = self.max_num_batched_tokens
         bm = self.block_manager
-        self.running.sort(key=lambda s: s.sort_key)
-
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
-                self._preempt(victim, out)
+                self._preempt(victim, "kv_cache", out)
                 if victim is seq:
                     break
             else:
                 out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
                 budget -= n
                 i += 1
+        return budget
 
-        # Admitting new work in a step that had to preempt would only thrash the pool.
-        while self.waiting and budget > 0 and not out.preempted:
-            if len(self.running) >= self.max_num_seqs:
-                break
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order, each with its cached prefix and a first chunk,
+        preempting lower-priority running requests for it where that makes room. The chunk
+        is sized by the budget before preempting: the budget a victim gives back goes to
+        the requests after it, so no more is preempted than that chunk needs."""
+        bm = self.block_manager
+        while self.waiting and budget > 0:
             seq = self.waiting[0][1]
+            if seq in out.preempted:
+                break  # never back in the step that preempted it
+            if len(self.running) >= self.max_num_seqs and self.running[-1].priority <= seq.priority:
+                break  # no slot to be had: spare hashing its prompt
             hits = bm.match_prefix(seq)
             computed = len(hits) * bm.block_size
             n = min(seq.num_tokens - computed, budget)
-            if not bm.can_allocate(bm.blocks_needed(computed + n) - len(hits), hits):
+            victims = self._make_room(seq, bm.blocks_needed(computed + n) - len(hits), hits)
+            if victims is None:
                 break
+            for victim in victims:
+                budget += self._preempt(victim, "priority", out)
             heapq.heappop(self.waiting)
             bm.allocate_prefix(seq, hits)
             bm.grow(seq, computed + n)
             seq.transition(RequestState.PREFILLING)
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             out.scheduled.append(ScheduledSeq(seq, n, computed))
             budget -= n
-        return out
+
+    def _make_room(
+        self, seq: Sequence, num_new_blocks: int, hits: list[int]
+    ) -> list[Sequence] | None:
+        """The running requests to preempt so that ``seq`` can start: a sequence slot, and
+        ``num_new_blocks`` fresh blocks beside its cached prefix blocks ``hits``.
+
+        The fewest of strictly lower priority than ``seq``, lowest priority and newest first
+        (none if it fits already); None if even all of them would not make room, since
+        preempting them then would only throw their work away."""
+        released: Counter[int] = Counter()  # block id -> references the victims hold
+        victims: list[Sequence] = []
+        candidates = reversed(self.running)
+        while not (
+            len(self.running) - len(victims) < self.max_num_seqs
+            and self.block_manager.can_allocate(num_new_blocks, hits, released)
+        ):
+            victim = next(candidates, None)
+            if victim is None or victim.priority <= seq.priority:
+                return None
+            victims.append(victim)
+            released.update(victim.block_table)
+        return victims
 
     def commit(self, scheduled: list[ScheduledSeq]) -> None:
         """Book a forward pass that ran: the tokens it fed have their K/V in the cache, and

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -65,6 +67,25 @@ class PoolMachine(RuleBasedStateMachine):
         self.live.remove(seq)
         self.bm.free_seq(seq)
         assert seq.block_table == []
+
+    @precondition(lambda self: self.live)
+    @rule(
+        data=st.data(),
+        tokens=st.lists(st.integers(0, 3), min_size=1, max_size=20),
+        need=st.integers(0, NUM_BLOCKS),
+    )
+    def release_as_foretold(self, data: st.DataObject, tokens: list[int], need: int) -> None:
+        """``can_allocate`` given the references some requests hold says what it says once
+        they are freed (the scheduler asks it before preempting them)."""
+        victims = data.draw(st.lists(st.sampled_from(self.live), min_size=1, unique=True))
+        hits = self.bm.match_prefix(make_seq(tokens))
+        released = Counter(b for seq in victims for b in seq.block_table)
+        foretold = self.bm.can_allocate(need, hits, released)
+        for seq in victims:
+            self.live.remove(seq)
+            self.bm.free_seq(seq)
+        assert self.bm.match_prefix(make_seq(tokens)) == hits
+        assert self.bm.can_allocate(need, hits) == foretold
 
     @invariant()
     def accounting_is_exact(self) -> None:
@@ -160,3 +181,14 @@ def test_blocks_whose_python_hashes_collide_never_share_a_cache_entry() -> None:
     again = make_seq(ours + shared + [0], 2)
     assert bm.match_prefix(again) == mine.block_table[:1]  # ours is a hit; shared is not
     assert other.block_table[1] not in bm.match_prefix(again)
+
+
+def test_a_block_shared_with_a_request_that_stays_is_not_freed_by_releasing() -> None:
+    bm = BlockManager(3, BLOCK)
+    stays = computed(bm, list(range(5)), 0)  # its first block is full and cached
+    leaves = computed(bm, list(range(6)), 1)  # shares that block, and owns one
+    assert bm.num_free_blocks == 0
+    released = Counter(leaves.block_table)
+    assert bm.can_allocate(1, released=released) and not bm.can_allocate(2, released=released)
+    released.update(stays.block_table)
+    assert bm.can_allocate(3, released=released)

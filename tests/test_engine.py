@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from tokenq.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParam
 from tokenq.engine.downloads import build_dir
 from tokenq.engine.hf_reference import build_hf_model, greedy_config
 from tokenq.engine.loader import load_checkpoint
+from tokenq.engine.sequence import Sequence
 from tokenq.kernels import cpu_ops
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12)
@@ -501,3 +503,114 @@ def test_extreme_but_valid_parameters_run_beside_ordinary_requests(tiny_dir: Pat
     # min_tokens holds even though its ban (the whole vocabulary) had to be dropped.
     assert (done["x0"].finish_reason, done["x0"].completion_tokens) == ("stop", 5)
     assert [done[f"r{i}"].token_ids for i in range(4)] == alone
+
+
+# -- priority: interactive requests preempt batch ones -----------------------------------------
+
+BATCH = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48)
+INTERACTIVE = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)
+
+
+@dataclass
+class Timeline:
+    """Steps an engine to the end, recording each request's tokens, the step of its
+    first token and the order requests finished in."""
+
+    engine: LLMEngine
+    steps: int = 0
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    first_token_step: dict[str, int] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
+
+    def step(self) -> None:
+        self.steps += 1
+        for out in self.engine.step():
+            tokens = self.tokens.setdefault(out.request_id, [])
+            tokens += out.new_token_ids
+            if tokens:
+                self.first_token_step.setdefault(out.request_id, self.steps)
+            if out.finished:
+                assert out.token_ids == tokens and out.finish_reason == "length"
+                self.finished.append(out.request_id)
+
+    def run_to_end(self) -> None:
+        while self.engine.has_unfinished():
+            self.step()
+        assert self.engine.block_manager.num_free_blocks == self.engine.block_manager.num_blocks
+
+
+def add_all(engine: LLMEngine, reqs: list[list[int]], params, priority: int) -> list[Sequence]:
+    for i, p in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=params, priority=priority)
+    return [engine.requests[f"r{i}"] for i in range(len(reqs))]
+
+
+def test_an_interactive_request_takes_a_batch_slot_and_the_batch_tokens_stay(tiny_dir: Path):
+    batch = prompts(4)
+    unpreempted = run(make_engine(tiny_dir), batch, BATCH)
+    engine = make_engine(tiny_dir, max_num_seqs=4)
+    timeline = Timeline(engine)
+    seqs = add_all(engine, batch, BATCH, priority=5)
+    for _ in range(3):
+        timeline.step()
+    assert engine.free_capacity() == engine.free_capacity(5) == 0
+    assert engine.free_capacity(-1) == 4  # all four slots hold batch requests
+    engine.add_request("hi", prompt_token_ids=prompts(5)[4], params=INTERACTIVE, priority=-1)
+    hi, added = engine.requests["hi"], timeline.steps
+    timeline.run_to_end()
+    assert timeline.first_token_step["hi"] - added <= 2
+    assert timeline.finished[0] == "hi"
+    assert {r: timeline.tokens[r] for r in unpreempted} == unpreempted
+    assert [s.num_preemptions for s in seqs + [hi]] == [0, 0, 0, 1, 0]  # the newest batch one
+    counters = engine.stats().counters
+    assert counters["preemptions"] == counters["preemptions_priority"] == 1
+
+
+def test_an_interactive_request_takes_batch_blocks_and_the_batch_tokens_stay(tiny_dir: Path):
+    batch = prompts(4, (16,))
+    unpreempted = run(make_engine(tiny_dir), batch, BATCH)
+    # 30 blocks of 8 tokens for 4 batch requests that end with 8 blocks each; 8 slots.
+    engine = make_engine(tiny_dir, num_kv_blocks=30, block_size=8, max_num_seqs=8)
+    timeline = Timeline(engine)
+    seqs = add_all(engine, batch, BATCH, priority=5)
+    interactive = prompts(3, (33,))[2]  # a first chunk of 5 blocks
+    while engine.block_manager.num_free_blocks >= 5:
+        timeline.step()
+    assert engine.free_capacity() == 0 < engine.free_capacity(-1)
+    engine.add_request("hi", prompt_token_ids=interactive, params=INTERACTIVE, priority=-1)
+    hi, added = engine.requests["hi"], timeline.steps
+    timeline.run_to_end()
+    assert timeline.first_token_step["hi"] - added <= 2
+    assert timeline.finished[0] == "hi" and hi.num_preemptions == 0
+    assert {r: timeline.tokens[r] for r in unpreempted} == unpreempted
+    assert engine.counters["preemptions_priority"] >= 1
+    assert sum(s.num_preemptions for s in seqs) == engine.counters["preemptions"]
+
+
+def test_a_stream_of_interactive_requests_preempts_each_batch_request_boundedly(tiny_dir: Path):
+    """Each step preempts for priority at most as many requests as it admits interactive
+    ones; interactive requests never preempt each other; everything finishes, exactly."""
+    batch = prompts(2, (17, 9))
+    unpreempted = run(make_engine(tiny_dir), batch, BATCH)
+    short = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=3)
+    engine = make_engine(tiny_dir, max_num_seqs=2)
+    timeline = Timeline(engine)
+    seqs = add_all(engine, batch, BATCH, priority=5)
+    stream = prompts(12, (5, 11, 3))
+    interactive: list[Sequence] = []
+    while engine.has_unfinished():
+        if timeline.steps % 2 == 0 and len(interactive) < len(stream):
+            rid = f"hi{len(interactive)}"
+            prompt = stream[len(interactive)]
+            engine.add_request(rid, prompt_token_ids=prompt, params=short, priority=-1)
+            interactive.append(engine.requests[rid])
+        waiting = [s for s in interactive if s.metrics.first_scheduled is None]
+        before = engine.counters["preemptions_priority"]
+        timeline.step()
+        admitted = sum(s.metrics.first_scheduled is not None for s in waiting)
+        assert engine.counters["preemptions_priority"] - before <= admitted
+        assert timeline.steps < 500
+    assert all(s.num_preemptions == 0 for s in interactive)
+    assert 0 < engine.counters["preemptions_priority"] <= len(stream)
+    assert max(s.num_preemptions for s in seqs) <= len(stream)
+    assert {r: timeline.tokens[r] for r in unpreempted} == unpreempted

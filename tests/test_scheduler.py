@@ -7,7 +7,7 @@ import pytest
 from tokenq.engine.block_manager import BlockManager
 from tokenq.engine.errors import InvalidRequest, InvalidTransition
 from tokenq.engine.sampling_params import SamplingParams
-from tokenq.engine.scheduler import Scheduler
+from tokenq.engine.scheduler import Scheduler, SchedulerOutput
 from tokenq.engine.sequence import RequestState, Sequence
 
 S = RequestState
@@ -23,7 +23,7 @@ def seq(rid: str, n_tokens: int, priority: int = 0, order: int = 0) -> Sequence:
     )
 
 
-def run_step(sched: Scheduler) -> list[tuple[str, int]]:
+def advance(sched: Scheduler) -> SchedulerOutput:
     """Schedule, then pretend the model ran: advance computed tokens, sample a token."""
     out = sched.schedule()
     for s in out.scheduled:
@@ -32,6 +32,14 @@ def run_step(sched: Scheduler) -> list[tuple[str, int]]:
             if s.seq.state is S.PREFILLING:
                 s.seq.transition(S.DECODING)
             s.seq.append_token(7)
+    return out
+
+
+def run_step(sched: Scheduler) -> list[tuple[str, int]]:
+    return fed(advance(sched))
+
+
+def fed(out: SchedulerOutput) -> list[tuple[str, int]]:
     return [(s.seq.request_id, s.num_tokens) for s in out.scheduled]
 
 
@@ -109,6 +117,107 @@ def test_a_request_that_cannot_fit_waits_instead_of_crashing() -> None:
     assert run_step(sched) == [("big", 3)]
     assert run_step(sched) == [("big", 1)]  # small waits: no block for it
     assert sched.num_waiting == 1
+
+
+# -- priority preemption -----------------------------------------------------------------
+
+
+def started(sched: Scheduler, *seqs: Sequence, steps: int = 2) -> None:
+    """Queue the requests and run them until they decode, none preempted."""
+    for s in seqs:
+        sched.add(s)
+    for _ in range(steps):
+        assert not advance(sched).preempted
+    assert all(s.state is S.DECODING for s in seqs)
+
+
+def test_a_higher_priority_request_takes_the_slot_of_the_newest_lowest_priority_one() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=3, max_num_batched_tokens=100)
+    mid, b0, b1 = seq("mid", 3, 0, order=0), seq("b0", 3, 5, order=1), seq("b1", 3, 5, order=2)
+    started(sched, mid, b0, b1)
+    sched.add(seq("hi", 3, -1, order=3))
+    out = advance(sched)
+    assert out.preempted == {b1: "priority"}
+    assert fed(out) == [("mid", 1), ("b0", 1), ("hi", 3)]  # b1's decode is taken back
+    assert b1.state is S.PREEMPTED and b1.num_output_tokens == 2 and b1.block_table == []
+    assert run_step(sched) == [("hi", 1), ("mid", 1), ("b0", 1)]  # b1 waits for a slot
+
+
+def test_priority_preemption_frees_just_enough_blocks() -> None:
+    # 8 blocks of 2 tokens: four requests of 3 tokens hold 2 blocks each once decoding.
+    sched = Scheduler(BlockManager(8, 2), max_num_seqs=8, max_num_batched_tokens=100)
+    mid, b0, b1, b2 = (
+        seq(r, 3, p, order=i)
+        for i, (r, p) in enumerate([("mid", 0), ("b0", 5), ("b1", 5), ("b2", 5)])
+    )
+    started(sched, mid, b0, b1, b2, steps=1)
+    assert sched.block_manager.num_free_blocks == 0
+    sched.add(seq("hi", 5, -1, order=4))  # 3 blocks: two requests must go
+    out = advance(sched)
+    assert list(out.preempted.items()) == [(b2, "priority"), (b1, "priority")]
+    assert fed(out) == [("mid", 1), ("b0", 1), ("hi", 5)]
+    assert sched.block_manager.num_free_blocks == 1
+
+
+def test_equal_or_lower_priority_never_preempts() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    hi, mid = seq("hi", 3, -1, order=0), seq("mid", 3, 0, order=1)
+    started(sched, hi, mid)
+    sched.add(seq("mid-2", 3, 0, order=2))
+    sched.add(seq("batch", 3, 5, order=3))
+    for _ in range(3):
+        out = advance(sched)
+        assert not out.preempted and fed(out) == [("hi", 1), ("mid", 1)]
+    # Blocks, not slots, the limit: 4 blocks of 2, both running requests hold 2.
+    sched = Scheduler(BlockManager(4, 2), max_num_seqs=8, max_num_batched_tokens=100)
+    hi, mid = seq("hi", 3, -1, order=0), seq("mid", 3, 0, order=1)
+    started(sched, hi, mid, steps=1)
+    sched.add(seq("mid-2", 1, 0, order=2))
+    out = advance(sched)
+    assert not out.preempted and fed(out) == [("hi", 1), ("mid", 1)]
+
+
+def test_nothing_is_preempted_when_that_would_not_make_room() -> None:
+    sched = Scheduler(BlockManager(4, 2), max_num_seqs=8, max_num_batched_tokens=100)
+    hi, batch = seq("hi", 3, -1, order=0), seq("batch", 3, 5, order=1)
+    started(sched, hi, batch, steps=1)
+    sched.add(seq("hi-2", 5, -1, order=2))  # 3 blocks; preempting batch frees only 2
+    out = advance(sched)
+    assert not out.preempted and fed(out) == [("hi", 1), ("batch", 1)]
+
+
+def test_a_request_preempted_for_priority_is_not_readmitted_in_the_same_step() -> None:
+    # A small token budget: once preempted, the batch request's first chunk would fit in
+    # the blocks it freed, and the next step would preempt it again.
+    sched = Scheduler(BlockManager(5, 2), max_num_seqs=8, max_num_batched_tokens=8)
+    batch = seq("batch", 8, 5, order=0)
+    started(sched, batch)  # 10 tokens in 5 blocks: the pool is full
+    sched.add(seq("hi", 2, -1, order=1))
+    out = advance(sched)
+    assert out.preempted == {batch: "priority"} and fed(out) == [("hi", 2)]
+    # 6 tokens of budget and 4 free blocks left: its first chunk (6 tokens) would fit.
+    assert sched.block_manager.num_free_blocks == 4
+    assert batch.state is S.PREEMPTED and sched.num_waiting == 1
+
+
+def test_free_capacity_for_a_priority_counts_lower_priority_requests_as_room() -> None:
+    sched = Scheduler(BlockManager(1024, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    started(sched, *(seq(f"b{i}", 3, 5, order=i) for i in range(4)))
+    sched.add(seq("b-queued", 3, 5, order=4))
+    assert sched.free_capacity() == 0
+    assert sched.free_capacity(5) == 0  # equal priority is no room
+    assert sched.free_capacity(-1) == sched.free_capacity(0) == 4
+    sched.add(seq("hi", 3, -1, order=5))
+    assert sched.free_capacity(-1) == 3 and sched.free_capacity(-2) == 4
+    # Blocks, not slots: the pool is full of lower-priority requests of the mean size.
+    sched = Scheduler(BlockManager(256, 4), max_num_seqs=64, max_num_batched_tokens=1024)
+    batch = [seq(f"b{i}", 255, 5, order=i) for i in range(4)]
+    for s in batch:
+        s.params = SamplingParams(max_tokens=1)  # 256 tokens: the estimate's starting size
+    started(sched, *batch, steps=1)
+    assert sched.block_manager.num_free_blocks == 0
+    assert sched.free_capacity() == sched.free_capacity(5) == 0
+    assert sched.free_capacity(0) == 4
 
 
 def test_invalid_sampling_parameters_name_the_parameter() -> None:
