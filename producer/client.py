@@ -288,9 +288,18 @@ class _Routing:
         return out
 
     def needs_registry(self, reqs: list[JobRequest], queue_anyway: bool) -> bool:
+        """Whether to read the registry before routing: when the cache is stale, and
+        when it would refuse these jobs (a worker may have started since it was read)."""
         queue_anyway = queue_anyway or not self.config.require_worker
-        named = all(r.model or self.config.model for r in reqs)
-        return self.stale and not (queue_anyway and named)
+        if queue_anyway and all(r.model or self.config.model for r in reqs):
+            return False
+        if self.stale:
+            return True
+        try:
+            self.resolve(reqs, queue_anyway)
+        except UnknownModel:
+            return True
+        return False
 
 
 def _submit_args(config: ClientConfig, reqs: list[JobRequest]) -> list[Any]:
@@ -804,7 +813,7 @@ class Client:
         if not reqs:
             return []
         if self._routing.needs_registry(reqs, queue_anyway):
-            self._routing.update(self.models())
+            self.models()
         reqs = self._routing.resolve(reqs, queue_anyway)
         args = _submit_args(self.config, reqs)
         duplicate = _submitted(self._retrying(lambda: self._submit(args=args)))
@@ -818,7 +827,9 @@ class Client:
             consumers = self.redis.zrangebyscore(self.keys.workers, since, "+inf")
             return _models(_registry_rows(self.redis, self.keys, consumers))
 
-        return self._retrying(read)
+        models = self._retrying(read)
+        self._routing.update(models)
+        return models
 
     def _retrying(self, attempt: Callable[[], T]) -> T:
         """`attempt()`, tried again while Redis is unreachable, up to retry_for."""
@@ -930,7 +941,7 @@ class AsyncClient:
         if not reqs:
             return []
         if self._routing.needs_registry(reqs, queue_anyway):
-            self._routing.update(await self.models())
+            await self.models()
         reqs = self._routing.resolve(reqs, queue_anyway)
         args = _submit_args(self.config, reqs)
         duplicate = _submitted(await self._retrying(lambda: self._submit(args=args)))
@@ -947,7 +958,9 @@ class AsyncClient:
                     pipe.hgetall(self.keys.worker(consumer.decode()))
                 return _models(await pipe.execute())
 
-        return await self._retrying(read)
+        models = await self._retrying(read)
+        self._routing.update(models)
+        return models
 
     async def _retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """As `Client._retrying`."""

@@ -240,3 +240,30 @@ def test_the_registry_shows_each_worker_and_its_heartbeat(
         first = client.models()[0].heartbeat_at
         assert abs(first - time.time()) < 10
     client.close()
+
+
+def test_an_interactive_job_preempts_a_full_worker_of_batch_jobs(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    """Both slots run long batch jobs: an interactive job still starts within a few steps
+    (the engine preempts a batch job by recompute), and the batch jobs lose nothing."""
+    client = Client(redis_url, namespace=redis_namespace, model="tiny", require_worker=False)
+    params = {"max_tokens": 1500, **GREEDY}
+    batch = client.submit_many(make_request(f"long {i}", lane="batch", **params) for i in range(2))
+    worker = two_slot_worker(tiny_model, redis_namespace, client.redis)
+    with WorkerThread(worker):
+        wait_for(lambda: all(j.status() == "running" for j in batch))
+        urgent = client.submit("now please", lane="interactive", max_tokens=4, **GREEDY)
+        urgent.result(timeout=30)
+        assert all(j.status() == "running" for j in batch)  # it did not wait for them
+        replies = [check_reply(list(j.stream(timeout=120))) for j in batch]
+    assert worker.driver.stats.counters["preemptions_priority"] >= 1
+    expected = reference_run(
+        tiny_model, [{"prompt": f"long {i}", "params": params} for i in range(2)]
+    )
+    for reply, (_, final) in zip(replies, expected, strict=True):
+        assert reply.done.token_ids == final.token_ids
+        assert not any(e.type == "restart" for e in reply.events)
+    client.close()
