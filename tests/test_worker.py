@@ -402,6 +402,8 @@ def test_tokenq_submit_prints_the_answer(
     configure_logging(level="warning")  # keep the worker's lines out of the captured stdout
     conn = redis.Redis.from_url(redis_url)
     with WorkerThread(Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))):
+        # The command asks the registry which model to use: wait for the worker to be in it.
+        wait_for(lambda: conn.zcard(Keys(redis_namespace).workers) == 1)
         assert cli.main(["submit", "Hello", "--json", *common]) == 0
         done = json.loads(capsys.readouterr().out)
         assert done["finish_reason"] in ("length", "stop") and done["usage"]["total_tokens"] > 0
