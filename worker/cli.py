@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     option(demo, "--max-tokens", type=int, default=48, help="tokens per answer")
     demo.set_defaults(run=run_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine, queue, kernels")
-    bench.add_argument("target", choices=("engine", "queue", "kernels"))
+    bench = sub.add_parser("bench", help="benchmarks: engine, queue, fleet, kernels")
+    bench.add_argument("target", choices=("engine", "queue", "fleet", "kernels"))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(run=run_bench)
     return parser
@@ -171,6 +171,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from tokenq.kernels.bench import run_kernel_bench
 
         run_kernel_bench()
+    elif args.target == "fleet":
+        from tokenq.worker.bench_fleet import main as bench_fleet
+
+        bench_fleet(args.args)
     else:
         from tokenq.worker.bench_queue import main as bench_queue
 
