@@ -415,3 +415,28 @@ def test_tokenq_submit_prints_the_answer(
         assert any(e.startswith("tokenq: job") and "invalid_params" in e for e in errors)
     conn.close()
     structlog.reset_defaults()
+
+
+def test_a_stream_interval_sends_first_tokens_at_once_and_the_rest_in_chunks(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    jobs = client.submit_many(
+        make_request(f"chunked {i}", max_tokens=200, **GREEDY) for i in range(4)
+    )
+    config = fast_config(redis_namespace, stream_interval_s=0.05)
+    with WorkerThread(Worker(make_engine(tiny_model), client.redis, config)):
+        replies = [check_reply(list(job.stream(timeout=60))) for job in jobs]
+    expected = reference_run(
+        tiny_model,
+        [{"prompt": f"chunked {i}", "params": {"max_tokens": 200, **GREEDY}} for i in range(4)],
+    )
+    for reply, (_, final) in zip(replies, expected, strict=True):
+        assert reply.done.token_ids == final.token_ids
+        tokens = [e for e in reply.events if isinstance(e, TokenEvent)]
+        # The first token goes out at once (with at most what came while it was sent)...
+        assert len(tokens[0].token_ids) <= 3
+        assert len(tokens) < 200 / 4  # the rest in chunks of several steps
+    client.close()

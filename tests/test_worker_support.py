@@ -106,6 +106,7 @@ def fast_config(namespace: str, **overrides: Any) -> WorkerConfig:
         "heartbeat_interval_s": 0.1,
         "metrics_interval_s": 0.2,
         "grace_period_s": 5.0,
+        "stream_interval_s": 0.0,  # every step's tokens as their own event
     }
     return WorkerConfig(**{**options, **overrides})
 

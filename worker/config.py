@@ -43,6 +43,10 @@ class WorkerConfig:
     # taken, past all of it the engine pauses until Redis answers again.
     max_outbox_events: int = 65_536
     max_backoff_s: float = 2.0  # between retries while Redis does not answer
+    # Tokens after a job's first are published at most this often (a job's first token and
+    # its end go out at once): fast engines then cost Redis, the clients and this worker one
+    # event per job per interval instead of one per step. 0: every step.
+    stream_interval_s: float = 0.02
     metrics_interval_s: float = 10.0
     registry_interval_s: float = 5.0  # how often this worker tells the fleet it is alive
     # Aging: a lane whose oldest waiting job has waited this long is served first, so a

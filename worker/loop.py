@@ -158,6 +158,8 @@ class Worker:
         self._intake_backoff = Backoff(c.max_backoff_s)
         # Publisher thread only.
         self._next_heartbeat = self._next_metrics = self._next_register = 0.0
+        self._last_publish = 0.0
+        self._urgent = False  # a first token or an end waits for no stream interval
         self._publish_backoff = Backoff(c.max_backoff_s)
         self._step_failures = 0
         # Either thread.
@@ -541,12 +543,16 @@ class Worker:
         now = time.monotonic()
         due = min(self._next_metrics, self._next_register)
         if self.in_flight:
-            due = min(due, self._next_heartbeat)
+            due = min(due, self._next_heartbeat, self._last_publish + self.config.stream_interval_s)
         self._collect_outputs(max(0.0, min(wait, due - now)))
         if not self._publish_backoff.ready():
             time.sleep(min(wait, max(0.0, self._publish_backoff.until - time.monotonic())))
             return
-        if self.in_flight or self._settling:
+        now = time.monotonic()
+        on_time = now - self._last_publish >= self.config.stream_interval_s
+        if self._settling or (self.in_flight and (self._urgent or on_time)):
+            self._urgent = False
+            self._last_publish = now
             self._redis(self._publish, self._publish_backoff)
         now = time.monotonic()
         if self.in_flight and now >= self._next_heartbeat:
@@ -593,7 +599,9 @@ class Worker:
             if not out.finished:
                 if not inf.status and inf.outbox:
                     inf.status = RUNNING
+                    self._urgent |= inf.next_seq == 1  # a first token goes out at once
                 return
+            self._urgent = True  # and so does an end
             inf.output = out
             inf.status = DONE
         if out.finish_reason == "error":
