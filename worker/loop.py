@@ -126,7 +126,7 @@ def _append(outbox: list[Event], event: Event, sent: int) -> None:
 
 
 class Worker:
-    """Drives one engine from one job stream.
+    """Drives one engine from the queues of the models it serves.
 
     `run()` serves until `stop()` (which any thread or a signal handler may call). Tests
     may call `run_once()` instead: one pass of intake, engine and publisher, in turn on
