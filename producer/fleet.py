@@ -63,7 +63,7 @@ class Model:
 
 
 @dataclass
-class Worker:
+class RegisteredWorker:
     """A registry member. `live`: its heartbeat is fresher than the stale time; a worker
     killed without stopping stays listed, silent, until someone removes it."""
 
@@ -107,7 +107,7 @@ class Fleet:
     namespace: str
     at: float  # Redis's clock, unix seconds
     models: list[Model]
-    workers: list[Worker]
+    workers: list[RegisteredWorker]
     pending: list[Consumer]
     dead_letters: int
 
@@ -179,7 +179,7 @@ class FleetReader:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def _workers(self, now: float) -> list[Worker]:
+    def _workers(self, now: float) -> list[RegisteredWorker]:
         members = self.redis.zrange(self.keys.workers, 0, -1, withscores=True)
         with self.redis.pipeline(transaction=False) as pipe:
             for consumer, _ in members:
@@ -190,7 +190,7 @@ class FleetReader:
         for i, (consumer, score) in enumerate(members):
             info, load = rows[2 * i], rows[2 * i + 1]
             age = max(0.0, now - score / 1000)
-            worker = Worker(
+            worker = RegisteredWorker(
                 consumer.decode(), age <= self.stale_s, round(score / 1000, 3), round(age, 3)
             )
             if info:
