@@ -1,13 +1,14 @@
-"""The client's share of the `tokenq` command (`submit`, `celery`), and the option helpers
-every command uses.
+"""The client's share of the `tokenq` command (`submit`, `models`, `celery`, and the
+operator's commands of ``tokenq.producer.ops``: `inspect`, `result`, `cancel`, `dlq`,
+`exporter`), and the option helpers every command uses.
 
 Every option also reads an environment variable (``--max-num-seqs`` <- ``TOKENQ_MAX_NUM_SEQS``)
 so containers are configured without a command line. Nothing here needs torch; the worker's
 commands live in ``tokenq.worker.cli`` and ``tokenq.cli`` dispatches between the two.
 
-Exit statuses: 0 done; 1 the job failed (its error printed); 2 usage, a bad request, or
-Redis unreachable (one line naming the URL); 3 QueueFull; 4 no result within --timeout;
-130 interrupted.
+Exit statuses: 0 done; 1 the job failed (its error printed); 2 usage, a bad request, an
+unknown id, or Redis unreachable (one line naming the URL); 3 QueueFull; 4 no result within
+--timeout (or, for `result`, the job has not ended); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ def add_commands(sub: Any) -> None:
     flag_option(models, "--json", "print JSON")
     models.set_defaults(run=cmd_models)
     celery_bridge.add_parser(sub)
+    from tokenq.producer import ops  # ops uses this module's helpers: import it once they exist
+
+    ops.add_commands(sub)
 
 
 def redacted(url: str) -> str:
@@ -200,13 +204,13 @@ def _submit(
         print(f"tokenq: no result for job {job.id} within {args.timeout}s", file=sys.stderr)
         return EXIT_TIMEOUT
     if args.json:
-        print(json.dumps({"job_id": job.id, **_event_json(done)}))
+        print(json.dumps({"job_id": job.id, **event_json(done)}))
     else:
         print(done.text)
     return 0
 
 
-def _event_json(event: Any) -> dict[str, Any]:
+def event_json(event: Any) -> dict[str, Any]:
     data = asdict(event)
     if isinstance(event, DoneEvent):
         data["usage"]["total_tokens"] = event.usage.total_tokens
@@ -216,7 +220,7 @@ def _event_json(event: Any) -> dict[str, Any]:
 def _print_stream(events: Any, as_json: bool) -> int:
     for event in events:
         if as_json:
-            print(json.dumps(_event_json(event)), flush=True)
+            print(json.dumps(event_json(event)), flush=True)
         elif isinstance(event, TokenEvent):
             print(event.text, end="", flush=True)
         elif isinstance(event, RestartEvent):

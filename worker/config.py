@@ -47,7 +47,10 @@ class WorkerConfig:
     # its end go out at once): fast engines then cost Redis, the clients and this worker one
     # event per job per interval instead of one per step. 0: every step.
     stream_interval_s: float = 0.02
-    metrics_interval_s: float = 10.0
+    metrics_interval_s: float = 10.0  # the summary in Redis and the log line
+    # Prometheus metrics over HTTP at http://<metrics_addr>:<metrics_port>/metrics; 0: none.
+    metrics_port: int = 0
+    metrics_addr: str = "0.0.0.0"
     registry_interval_s: float = 5.0  # how often this worker tells the fleet it is alive
     # Aging: a lane whose oldest waiting job has waited this long is served first, so a
     # flood of higher-priority work delays lower lanes but never starves them.

@@ -140,9 +140,11 @@ class Worker:
         self.driver = EngineDriver(engine)
         self.redis = conn
         self.config = c = config or WorkerConfig()
+        if not c.served_names:
+            raise ValueError("a worker serves at least one model name (served_names)")
         self.keys = Keys(c.namespace)
         self.scripts = Scripts(conn, self.keys, c.group, c.consumer)
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(c.served_names[0], lambda: self.driver.stats)
         # The value this process writes into the owner key of each job it runs: a worker
         # that finds another value there has lost the job and must stop writing to it.
         self.fence = f"{c.consumer}:{uuid.uuid4().hex[:12]}".encode()
@@ -169,8 +171,6 @@ class Worker:
         self._crash: BaseException | None = None
         self._started_at = round(time.time(), 3)
         self.log = structlog.get_logger("tokenq.worker")
-        if not c.served_names:
-            raise ValueError("a worker serves at least one model name (served_names)")
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -211,6 +211,7 @@ class Worker:
 
     def run(self) -> None:
         """Serve until `stop()`, then drain and hand back what did not finish."""
+        self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
         self._redis(self.register, self._publish_backoff)
         structlog.contextvars.bind_contextvars(consumer=self.config.consumer)
         self.log.info("worker started", models=list(self.config.served_names))
@@ -231,6 +232,7 @@ class Worker:
             for thread in threads:
                 thread.join()
             self._shutdown()
+            self.metrics.close()
             self.log.info("worker stopped")
 
     def _serve(self, one_pass: Callable[[float], None]) -> None:
@@ -479,7 +481,7 @@ class Worker:
     ) -> None:
         waited = max(0.0, time.time() - enqueue_time(delivery.entry_id))
         done = cancelled_before_start(history, waited, job.metadata)
-        self.metrics.request_success_total["cancelled"] += 1
+        self.metrics.cancelled(job.lane)
         self._job_log(job.job_id).info("job cancelled before it started")
         events = [event_arg(done)]
         item = self._item("settle", delivery, job.job_id, status=DONE, events=events, release=True)
@@ -492,7 +494,8 @@ class Worker:
         worker took the job for this entry (else the entry's id may belong to a job that
         runs or ended elsewhere, whose reply the PUBLISH script leaves alone)."""
         jid, eid = rejection.job_id, delivery.entry_id
-        self.metrics.failed(rejection.code)
+        queue = self.keys.parse_queue(delivery.stream.decode())
+        self.metrics.failed(rejection.code, None if queue is None else lane_of(queue[1]))
         self._job_log(jid).warning(
             "job rejected", code=rejection.code, message=rejection.message, entry_id=eid.decode()
         )
@@ -611,7 +614,7 @@ class Worker:
             rejection = Rejection(error.code, error.message, out.request_id)
             inf.dead = self._dead_letter(inf.delivery, rejection)
             inf.status = ERROR
-            self.metrics.failed(error.code)
+            self.metrics.failed(error.code, inf.job.lane)
             self._job_log(out.request_id).warning("job failed in the engine", message=error.message)
 
     def _refused(self, refused: Refused) -> None:
@@ -699,7 +702,7 @@ class Worker:
         out = inf.output
         if out is None or out.finish_reason == "error":
             return
-        self.metrics.finished(out, skipped_tokens=inf.continuation.skipped)
+        self.metrics.finished(out, inf.job.lane, skipped_tokens=inf.continuation.skipped)
         m = out.metrics
         self._job_log(out.request_id).info(
             "job finished",
@@ -766,17 +769,14 @@ class Worker:
     # -- observability ---------------------------------------------------------------------
 
     def _publish_metrics(self) -> None:
-        stats = self.driver.stats
-        snapshot: dict[str, float] = {
-            **self.metrics.snapshot(stats),
-            "updated_at": round(time.time(), 3),
-        }
+        summary = self.metrics.summary()
         key = self.keys.metrics(self.config.consumer)
         with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping=snapshot)
+            pipe.delete(key)
+            pipe.hset(key, mapping={**summary, "updated_at": round(time.time(), 3)})
             pipe.expire(key, max(60, int(3 * self.config.metrics_interval_s)))
             pipe.execute()
-        self.log.info("metrics", **self.metrics.summary(stats))
+        self.log.info("metrics", **summary)
 
     def _job_log(self, job_id: str | None) -> Any:
         return self.log.bind(job_id=job_id) if job_id else self.log

@@ -1,104 +1,190 @@
-"""Per-worker metrics under vLLM's names, flattened for a Redis hash.
+"""A worker's Prometheus metrics: vLLM's names with a `tokenq:` prefix.
 
-Histograms keep Prometheus-style cumulative buckets plus count and sum, so the hashes of
-several workers can be summed into fleet-wide figures without raw samples.
+Each worker owns a `CollectorRegistry` (never prometheus_client's global one, so a process
+may hold several workers: the tests do) and serves it over HTTP when given a port
+(`--metrics-port`). Per-request metrics are labelled by model (the worker's served name)
+and lane (from the job's priority); the engine's gauges and counters are read from the
+driver's latest `EngineStats` at scrape time, so a scrape never waits on the engine.
+
+A small summary of the same figures also goes to the Redis hash `<ns>:metrics:<consumer>`
+and the periodic log line: `tokenq inspect` shows each worker's load from it without
+scraping anything.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from collections import Counter as Tally
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from tokenq.engine.outputs import EngineStats, RequestDelta
 
+PREFIX = "tokenq:"
+# Seconds, from a fast GPU's inter-token gap to a batch job that waited minutes.
 LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0, 80.0, 160.0, 640.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
 )  # fmt: skip
+HISTOGRAMS = {
+    "time_to_first_token_seconds": "Time from the job entering its queue to its first token.",
+    "inter_token_latency_seconds": "Time between two tokens of one request.",
+    "e2e_request_latency_seconds": "Time from the job entering its queue to its end.",
+    "request_queue_time_seconds": "Time from the job entering its queue to its first step.",
+}
+NO_LANE = "unknown"  # an entry whose queue names no lane (protocol 1's stream)
 
 
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=list)
-    count: int = 0
-    sum: float = 0.0
+class _EngineCollector(Collector):
+    """The engine's own figures, read from its latest stats snapshot at each scrape."""
 
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
+    def __init__(self, model: str, stats: Callable[[], EngineStats]) -> None:
+        self.model = model
+        self.stats = stats
 
-    def observe(self, value: float) -> None:
-        self.count += 1
-        self.sum += value
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-                break
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        for name, help, value in (
+            ("num_requests_running", "Requests in the running batch", stats.num_running),
+            ("num_requests_waiting", "Requests admitted, waiting for a slot", stats.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)", stats.kv_cache_usage),
+        ):
+            gauge = GaugeMetricFamily(PREFIX + name, help, labels=["model"])
+            gauge.add_metric([self.model], value)
+            yield gauge
+        counters = stats.counters
+        preemptions = CounterMetricFamily(
+            PREFIX + "num_preemptions",
+            "Requests preempted (recomputed later), by cause: kv_cache or priority.",
+            labels=["model", "cause"],
+        )
+        for cause in ("kv_cache", "priority"):
+            preemptions.add_metric([self.model, cause], counters.get(f"preemptions_{cause}", 0))
+        yield preemptions
+        hits = counters.get("prefix_cache_hit_tokens", 0)
+        for name, help, value in (
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache (found or computed); "
+                "hit rate = rate(hits) / rate(queries).",
+                hits + counters.get("prompt_tokens", 0),
+            ),
+        ):
+            counter = CounterMetricFamily(PREFIX + name, help, labels=["model"])
+            counter.add_metric([self.model], value)
+            yield counter
 
-    def fields(self, name: str) -> dict[str, float]:
-        out: dict[str, float] = {f"{name}_count": self.count, f"{name}_sum": round(self.sum, 6)}
-        running = 0
-        for bound, n in zip(self.buckets, self.counts, strict=True):
-            running += n
-            out[f'{name}_bucket{{le="{bound}"}}'] = running
-        out[f'{name}_bucket{{le="+Inf"}}'] = self.count
-        return out
 
-
-@dataclass
 class WorkerMetrics:
-    time_to_first_token_seconds: Histogram = field(default_factory=Histogram)
-    inter_token_latency_seconds: Histogram = field(default_factory=Histogram)
-    e2e_request_latency_seconds: Histogram = field(default_factory=Histogram)
-    request_queue_time_seconds: Histogram = field(default_factory=Histogram)
-    generation_tokens_total: int = 0
-    prompt_tokens_total: int = 0
-    request_success_total: Counter[str] = field(default_factory=Counter)  # by finish reason
-    request_error_total: Counter[str] = field(default_factory=Counter)  # by error code
+    """Everything one worker measures. Called from its intake and publisher threads
+    (prometheus_client's metrics are thread-safe); scraped from the HTTP server's."""
 
-    def finished(self, out: RequestDelta, skipped_tokens: int = 0) -> None:
+    def __init__(self, model: str, stats: Callable[[], EngineStats]) -> None:
+        self.model = model
+        self.stats = stats
+        self.registry = CollectorRegistry()
+        self._server: WSGIServer | None = None
+        r = self.registry
+        labels = ["model", "lane"]
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens",
+            "Tokens generated (a re-run after a crash counts only its new ones).",
+            labels,
+            registry=r,
+        )
+        self.success = Counter(
+            PREFIX + "request_success",
+            "Requests that ended normally, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            PREFIX + "request_error",
+            "Requests that ended with an error event or a dead letter, by error code.",
+            [*labels, "code"],
+            registry=r,
+        )
+        self.histograms = {
+            name: Histogram(PREFIX + name, help, labels, buckets=LATENCY_BUCKETS, registry=r)
+            for name, help in HISTOGRAMS.items()
+        }
+        r.register(_EngineCollector(model, stats))
+        # The summary's totals (Redis hash, log line, tests), kept beside the labelled
+        # counters so that reading them needs no walk over the registry.
+        self.request_success_total: Tally[str] = Tally()  # by finish reason
+        self.request_error_total: Tally[str] = Tally()  # by error code
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def finished(self, out: RequestDelta, lane: str, skipped_tokens: int = 0) -> None:
         """Account one finished request; `skipped_tokens` were generated (and counted) by
         an earlier run of the same job."""
-        m = out.metrics
-        self.request_success_total[out.finish_reason or "unknown"] += 1
+        reason = out.finish_reason or "unknown"
+        generated = max(0, out.completion_tokens - skipped_tokens)
+        self.request_success_total[reason] += 1
         self.prompt_tokens_total += out.prompt_tokens
-        self.generation_tokens_total += max(0, out.completion_tokens - skipped_tokens)
-        if m.queue_time is not None:
-            self.request_queue_time_seconds.observe(m.queue_time)
-        if m.ttft is not None:
-            self.time_to_first_token_seconds.observe(m.ttft)
-        if m.e2e is not None:
-            self.e2e_request_latency_seconds.observe(m.e2e)
+        self.generation_tokens_total += generated
+        self.success.labels(self.model, lane, reason).inc()
+        self.prompt_tokens.labels(self.model, lane).inc(out.prompt_tokens)
+        self.generation_tokens.labels(self.model, lane).inc(generated)
+        m = out.metrics
+        h = {name: hist.labels(self.model, lane) for name, hist in self.histograms.items()}
+        for name, value in (
+            ("request_queue_time_seconds", m.queue_time),
+            ("time_to_first_token_seconds", m.ttft),
+            ("e2e_request_latency_seconds", m.e2e),
+        ):
+            if value is not None:
+                h[name].observe(value)
+        itl = h["inter_token_latency_seconds"]
         for gap in m.inter_token_latencies():
-            self.inter_token_latency_seconds.observe(gap)
+            itl.observe(gap)
 
-    def failed(self, code: str) -> None:
+    def cancelled(self, lane: str) -> None:
+        """A job cancelled before it started: it ends with finish reason `cancelled`."""
+        self.request_success_total["cancelled"] += 1
+        self.success.labels(self.model, lane, "cancelled").inc()
+
+    def failed(self, code: str, lane: str | None) -> None:
         self.request_error_total[code] += 1
+        self.errors.labels(self.model, lane or NO_LANE, code).inc()
 
-    def snapshot(self, stats: EngineStats) -> dict[str, float]:
-        """The flat name -> number map written to ``<ns>:metrics:<consumer>``."""
+    def summary(self) -> dict[str, float]:
+        """The headline numbers: the Redis hash `<ns>:metrics:<consumer>` and the log line."""
+        stats = self.stats()
         out: dict[str, float] = {
             "num_requests_running": stats.num_running,
             "num_requests_waiting": stats.num_waiting,
             "kv_cache_usage_perc": round(stats.kv_cache_usage, 6),
-            "generation_tokens_total": self.generation_tokens_total,
+            "num_preemptions_total": stats.counters.get("preemptions", 0),
             "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
         }
         for reason, n in sorted(self.request_success_total.items()):
             out[f'request_success_total{{finished_reason="{reason}"}}'] = n
         for code, n in sorted(self.request_error_total.items()):
             out[f'request_error_total{{code="{code}"}}'] = n
-        for name in (
-            "time_to_first_token_seconds",
-            "inter_token_latency_seconds",
-            "e2e_request_latency_seconds",
-            "request_queue_time_seconds",
-        ):
-            out.update(getattr(self, name).fields(name))
         return out
 
-    def summary(self, stats: EngineStats) -> dict[str, float]:
-        """The headline numbers for the periodic log line (no buckets)."""
-        return {k: v for k, v in self.snapshot(stats).items() if "_bucket" not in k}
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Serve the registry at http://addr:port/metrics from a daemon thread; port 0
+        serves nothing (metrics stay in the summary)."""
+        if port:
+            self._server, _ = start_http_server(port, addr, registry=self.registry)
+
+    def close(self) -> None:
+        """Stop serving (the worker stops: its port is free again)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
