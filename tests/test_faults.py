@@ -118,20 +118,23 @@ def test_kill_9_of_one_of_two_workers_loses_and_duplicates_nothing(
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     run = Run.submit(client, 8, 250)
     args = ["--claim-idle-ms", "1000", "--max-num-seqs", "4"]
-    with (
-        WorkerProcess(tiny_model, redis_url, redis_namespace, tmp_path / "a.log",
-                      consumer="a", extra=args) as a,
-        WorkerProcess(tiny_model, redis_url, redis_namespace, tmp_path / "b.log",
-                      consumer="b", extra=args) as b,
-    ):  # fmt: skip
-        wait_for(lambda: min(run.tokens_so_far()) > 10, timeout=60)
-        held = pending(client.redis, client.keys, "a")
-        assert held, "worker a should hold jobs when it is killed"
-        a.kill()
-        wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
-        assert b.alive()
-        b.proc.send_signal(signal.SIGTERM)
-        b.wait_clean_exit(timeout=30)
+    conn, keys = client.redis, client.keys
+    # a starts first and takes four jobs; b, once up, the other four.
+    with WorkerProcess(
+        tiny_model, redis_url, redis_namespace, tmp_path / "a.log", consumer="a", extra=args
+    ) as a:
+        wait_for(lambda: len(pending(conn, keys, "a")) == 4, timeout=60)
+        b = WorkerProcess(
+            tiny_model, redis_url, redis_namespace, tmp_path / "b.log", consumer="b", extra=args
+        )
+        with b:
+            wait_for(lambda: min(run.tokens_so_far()) > 10, timeout=60)
+            assert pending(conn, keys, "a"), "worker a should hold jobs when it is killed"
+            a.kill()
+            wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
+            assert b.alive()
+            b.proc.send_signal(signal.SIGTERM)
+            b.wait_clean_exit(timeout=30)
     run.check(tiny_model)
     assert client.redis.xlen(client.keys.dead) == 0
     client.close()
@@ -146,30 +149,34 @@ def test_a_worker_frozen_past_the_claim_time_wakes_up_fenced_out(
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     run = Run.submit(client, 8, 300)
     args = ["--claim-idle-ms", "1000", "--max-num-seqs", "4"]
-    with (
-        WorkerProcess(tiny_model, redis_url, redis_namespace, tmp_path / "a.log",
-                      consumer="a", extra=args) as a,
-        WorkerProcess(tiny_model, redis_url, redis_namespace, tmp_path / "b.log",
-                      consumer="b", extra=args) as b,
-    ):  # fmt: skip
-        wait_for(lambda: min(run.tokens_so_far()) > 10, timeout=60)
-        assert pending(client.redis, client.keys, "a")
-        a.proc.send_signal(signal.SIGSTOP)
-        # b takes a's jobs over once they have been idle past the claim time...
-        wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
-        a.proc.send_signal(signal.SIGCONT)
-        # ...and a, awake again, must write nothing more for them and keep serving.
-        time.sleep(1.5)
-        later = Run.submit(client, 4, 20, tag="after the thaw")
-        wait_for(lambda: all(j.status() == "done" for j in later.jobs), timeout=60)
-        assert a.alive() and b.alive()
-        for w in (a, b):
-            w.proc.send_signal(signal.SIGTERM)
-        a.wait_clean_exit(timeout=30)
-        b.wait_clean_exit(timeout=30)
+    conn, keys = client.redis, client.keys
+    a = WorkerProcess(
+        tiny_model, redis_url, redis_namespace, tmp_path / "a.log", consumer="a", extra=args
+    )
+    with a:
+        wait_for(lambda: len(pending(conn, keys, "a")) == 4, timeout=60)  # a first: 4 jobs
+        b = WorkerProcess(
+            tiny_model, redis_url, redis_namespace, tmp_path / "b.log", consumer="b", extra=args
+        )
+        with b:
+            wait_for(lambda: min(run.tokens_so_far()) > 10, timeout=60)
+            assert pending(conn, keys, "a")
+            a.proc.send_signal(signal.SIGSTOP)
+            # b takes a's jobs over once they have been idle past the claim time...
+            wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
+            a.proc.send_signal(signal.SIGCONT)
+            # ...and a, awake again, must write nothing more for them and keep serving.
+            time.sleep(1.5)
+            later = Run.submit(client, 4, 20, tag="after the thaw")
+            wait_for(lambda: all(j.status() == "done" for j in later.jobs), timeout=60)
+            assert a.alive() and b.alive()
+            for w in (a, b):
+                w.proc.send_signal(signal.SIGTERM)
+            a.wait_clean_exit(timeout=30)
+            b.wait_clean_exit(timeout=30)
     run.check(tiny_model)
     later.check(tiny_model)
-    assert client.redis.xlen(client.keys.dead) == 0
+    assert conn.xlen(keys.dead) == 0
     assert "taken over by another worker" in a.log.read_text()
     client.close()
 
