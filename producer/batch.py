@@ -43,15 +43,25 @@ from typing import IO, Any
 
 from tokenq.producer.client import Client, Job, make_request
 from tokenq.producer.errors import QueueFull, UnknownModel
-from tokenq.producer.openai_api import BadRequest, response_body, to_submit_kwargs
+from tokenq.producer.openai_api import (
+    BadRequest,
+    Logprobs,
+    job_error,
+    rendering,
+    response_body,
+    to_submit_kwargs,
+)
 from tokenq.producer.protocol import (
     BATCH,
+    RESTART,
     TERMINAL_EVENTS,
     DoneEvent,
     ErrorEvent,
     Event,
     JobRequest,
     ProtocolError,
+    TokenEvent,
+    lane_of,
 )
 
 # The endpoints a batch line may name, and the kind the conversion functions take.
@@ -60,23 +70,6 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 BATCH_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 CHUNK = 64  # jobs per submit script call, and per follower thread
 QUEUE_FULL_PAUSE = 1.0  # seconds between tries while the batch lane is at its cap
-# HTTP status of a job that a worker answered with an error, by error code; anything not
-# listed is the server's fault (500).
-ERROR_STATUS = {
-    "invalid_payload": 400,
-    "invalid_request": 400,
-    "invalid_params": 400,
-    "invalid_input": 400,
-    "empty_prompt": 400,
-    "prompt_too_long": 400,
-    "payload_too_large": 413,
-    "unknown_model": 404,
-    "model_not_found": 404,
-    "deadline_exceeded": 408,
-    "reply_expired": 410,
-}
-
-
 EXPIRED = "the job ended and its reply stream has expired (to run it again: a new --batch-id)"
 
 
@@ -285,21 +278,14 @@ def error_record(line: int, error: LineError) -> dict[str, Any]:
     }
 
 
-def failure_record(
-    custom_id: str, job_id: str, status: int, body: dict[str, Any]
-) -> dict[str, Any]:
+def failure_record(custom_id: str, job_id: str, error: BadRequest) -> dict[str, Any]:
     """A request answered with an HTTP error, as OpenAI writes it to the error file."""
     return {
         "id": request_record_id(job_id),
         "custom_id": custom_id,
-        "response": {"status_code": status, "request_id": job_id, "body": body},
+        "response": {"status_code": error.status, "request_id": job_id, "body": error.body()},
         "error": None,
     }
-
-
-def _error_body(code: str, message: str) -> dict[str, Any]:
-    kind = "invalid_request_error" if ERROR_STATUS.get(code, 500) < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 @dataclass
@@ -310,6 +296,7 @@ class _Pending:
     job_id: str
     model: str | None
     request: JobRequest
+    logprobs: int | None  # top-n per token the answer shows, None: no logprobs
 
 
 class BatchRun:
@@ -400,24 +387,21 @@ class BatchRun:
         """The job for a line, or None after writing why it cannot be one."""
         job_id = job_id_for(self.batch_id, item.custom_id)
         try:
-            kwargs = to_submit_kwargs(item.kind, item.body)
+            kwargs = to_submit_kwargs(item.kind, item.body, self.client.config.limits)
+            logprobs = rendering(item.kind, item.body).logprobs
         except BadRequest as exc:
-            record = failure_record(item.custom_id, job_id, exc.status, exc.body())
-            self._answer(record, error=True)
+            self._answer(failure_record(item.custom_id, job_id, exc), error=True)
             return None
         if self.model is not None:
             kwargs["model"] = self.model
-        kwargs.pop("priority", None)
-        kwargs.pop("lane", None)
-        try:
-            request = make_request(
-                job_id=job_id, lane=BATCH, metadata={"line": item.line}, **kwargs
-            )
-        except (TypeError, ValueError) as exc:
-            body = _error_body("invalid_request", str(exc))
-            self._answer(failure_record(item.custom_id, job_id, 400, body), error=True)
-            return None
-        return _Pending(item, job_id, kwargs.get("model"), request)
+        # Batch work runs in the batch lane; a priority inside it orders the batch's own jobs.
+        priority = kwargs.pop("priority", None)
+        if priority is None or lane_of(priority) != BATCH:
+            priority = 1
+        request = make_request(
+            job_id=job_id, priority=priority, metadata={"line": item.line}, **kwargs
+        )
+        return _Pending(item, job_id, kwargs.get("model"), request, logprobs)
 
     def _submit(self, batch: list[_Pending]) -> None:
         """Queue a chunk in one script call; on a refusal, one at a time to find the lines
@@ -431,15 +415,18 @@ class BatchRun:
                 try:
                     accepted += zip([pending], self._submit_many([pending.request]), strict=True)
                 except ProtocolError as exc:
-                    self._refused(pending, ERROR_STATUS.get(exc.code, 400), exc.code, exc.message)
+                    self._refused(pending, job_error(exc.code, exc.message))
                 except UnknownModel as exc:
-                    self._refused(pending, 404, "model_not_found", str(exc))
+                    error = BadRequest(
+                        str(exc), "model", 404, "invalid_request_error", "model_not_found"
+                    )
+                    self._refused(pending, error)
         if accepted:
             expired = self._expired([job for _, job in accepted if job.duplicate])
             live = []
             for pending, job in accepted:
                 if job.id in expired:
-                    self._refused(pending, 410, "reply_expired", EXPIRED)
+                    self._refused(pending, job_error("reply_expired", EXPIRED))
                 else:
                     live.append((pending, job))
             if live:
@@ -475,11 +462,8 @@ class BatchRun:
                 expired.add(job.id)
         return expired
 
-    def _refused(self, pending: _Pending, status: int, code: str, message: str) -> None:
-        record = failure_record(
-            pending.item.custom_id, pending.job_id, status, _error_body(code, message)
-        )
-        self._answer(record, error=True)
+    def _refused(self, pending: _Pending, error: BadRequest) -> None:
+        self._answer(failure_record(pending.item.custom_id, pending.job_id, error), error=True)
         self.permits.release()
 
     # --- follower threads --------------------------------------------------------------
@@ -489,31 +473,41 @@ class BatchRun:
         duplicate custom_id inside the chunk) are all answered from its one reply."""
         by_job: dict[str, list[_Pending]] = {}
         jobs: dict[str, Job] = {}
+        logprobs: dict[str, Logprobs] = {}
         for pending, job in live:
             by_job.setdefault(job.id, []).append(pending)
             jobs[job.id] = job
+            if pending.logprobs is not None:
+                logprobs[job.id] = Logprobs()
         for job, event in self.client.stream_many(jobs.values()):
+            if job.id in logprobs:
+                if isinstance(event, TokenEvent):
+                    logprobs[job.id].add(event)
+                elif event.type == RESTART:
+                    logprobs[job.id] = Logprobs()
             if event.type not in TERMINAL_EVENTS:
                 continue
             for pending in by_job[job.id]:
-                self._finish(pending, event)
+                self._finish(pending, event, logprobs.get(job.id))
                 self.permits.release()
 
-    def _finish(self, pending: _Pending, event: Event) -> None:
+    def _finish(self, pending: _Pending, event: Event, logprobs: Logprobs | None) -> None:
         item = pending.item
         line = (event.metadata or {}).get("line") if isinstance(event.metadata, dict) else None
         if line is not None and line != item.line:
             message = f"line {item.line}: custom_id {item.custom_id!r} repeats line {line}'s"
-            body = _error_body("duplicate_custom_id", message)
-            self._answer(failure_record(item.custom_id, pending.job_id, 400, body), error=True)
+            error = BadRequest(message, "custom_id", code="duplicate_custom_id")
+            self._answer(failure_record(item.custom_id, pending.job_id, error), error=True)
             return
         if isinstance(event, ErrorEvent):
-            status = ERROR_STATUS.get(event.code, 500)
-            body = _error_body(event.code, event.message)
-            self._answer(failure_record(item.custom_id, pending.job_id, status, body), error=True)
+            error = job_error(event.code, event.message)
+            self._answer(failure_record(item.custom_id, pending.job_id, error), error=True)
             return
         assert isinstance(event, DoneEvent)
-        body = response_body(item.kind, pending.job_id, pending.model, event, int(time.time()))
+        model = pending.model or self._served_model()
+        created = int(time.time())
+        top = pending.logprobs or 0
+        body = response_body(item.kind, pending.job_id, model, event, created, logprobs, top)
         record = {
             "id": request_record_id(pending.job_id),
             "custom_id": item.custom_id,
@@ -521,6 +515,13 @@ class BatchRun:
             "error": None,
         }
         self._answer(record, error=False, tokens=event.usage.completion_tokens)
+
+    def _served_model(self) -> str:
+        """The model of a line that named none: the client's, or the one model served."""
+        if self.client.config.model:
+            return self.client.config.model
+        models = self.client.models()
+        return models[0].id if len(models) == 1 else ""
 
     # --- either ------------------------------------------------------------------------
 

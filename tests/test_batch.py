@@ -116,6 +116,7 @@ def test_a_500_line_batch_answers_every_custom_id_once(
         assert body["usage"]["completion_tokens"] <= MAX_TOKENS
         kind = "chat.completion" if int(rec["custom_id"][4:]) % 2 == 0 else "text_completion"
         assert body["object"] == kind
+        assert body["model"] == "tiny" and body["choices"][0]["finish_reason"] in ("stop", "length")
     assert "500 lines: 500 done, 0 failed" in done.stderr
 
     # Run again: everything is answered already; nothing is submitted or written.
@@ -178,8 +179,9 @@ def test_malformed_lines_are_reported_with_their_line_numbers_and_the_rest_is_do
         {**request_line(100), "url": "/v1/embeddings"},  # 8
         {**request_line(101), "body": "text"},  # 9
         {**request_line(102), "method": "GET"},  # 10
-        request_line(103, temperature=-1),  # 11: the worker refuses it
+        request_line(103, temperature=-1),  # 11: refused before it is submitted
         {**request_line(3)},  # 12: custom_id of line 4 again
+        request_line(105, prompt="many words " * 3000),  # 13: the worker refuses it
         *good[5:],
     ]
     source = write_batch(tmp_path / "in.jsonl", lines)
@@ -200,18 +202,21 @@ def test_malformed_lines_are_reported_with_their_line_numbers_and_the_rest_is_do
     assert by_line[9]["error"]["code"] == "invalid_request"
     assert by_line[10]["error"]["code"] == "invalid_method"
     answered = {r["custom_id"]: r for r in failed if r["error"] is None}
-    assert set(answered) == {"req-103", "req-3"}
+    assert set(answered) == {"req-103", "req-3", "req-105"}
     refused = answered["req-103"]["response"]
-    assert refused["status_code"] == 400
-    assert refused["body"]["error"]["code"] == "invalid_params"
+    assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "temperature"
+    too_long = answered["req-105"]["response"]
+    assert too_long["status_code"] == 400
+    assert too_long["body"]["error"]["code"] == "prompt_too_long"
+    assert too_long["request_id"] == job_id_for(scan_input(source)[0], "req-105")
     duplicate = answered["req-3"]["response"]["body"]["error"]
     assert duplicate["code"] == "duplicate_custom_id" and "line 12" in duplicate["message"]
-    assert "20 done, 7 failed" in done.stderr
+    assert "20 done, 8 failed" in done.stderr
 
     # A re-run reports nothing twice.
     again = run_batch(redis_url, redis_namespace, source, out, "--errors", str(errors))
-    assert "0 done, 0 failed, 27 answered before" in again.stderr, again.stderr[-2000:]
-    assert len(records(errors)) == 7
+    assert "0 done, 0 failed, 28 answered before" in again.stderr, again.stderr[-2000:]
+    assert len(records(errors)) == 8
 
 
 def test_results_of_another_batch_are_refused(
