@@ -39,7 +39,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from tokenq.producer.client import Client, Job, make_request
 from tokenq.producer.errors import QueueFull, UnknownModel
@@ -196,31 +196,42 @@ def repair(path: Path) -> None:
 
 
 def load_done(paths: Iterable[Path], batch_id: str) -> DoneSet:
-    """The lines answered in these files (repaired first). A record from another batch
-    means the files belong to another input: refuse rather than mix two batches."""
-    prefix = f"batch-{batch_id}"
-    keys = array("Q")
+    """The lines answered in these files (repaired first)."""
+    sources = []
     for path in paths:
         repair(path)
-        if not path.exists():
-            continue
-        with path.open("rb") as f:
-            for number, raw in enumerate(f, 1):
-                try:
-                    rec = json.loads(raw)
-                    custom_id = rec.get("custom_id")
-                    response = rec.get("response") or {}
-                    error = rec.get("error") or {}
-                except (ValueError, AttributeError):
-                    raise BatchError(f"{path}:{number} is not a batch output line") from None
-                request_id = response.get("request_id")
-                if request_id is not None and request_id.rpartition("-")[0] != prefix:
-                    raise BatchError(
-                        f"{path} holds results of another batch (request {request_id}; this "
-                        f"batch's ids start {prefix}-): the input changed? Write to another "
-                        "file, or pass that batch's --batch-id"
-                    )
-                keys.append(_key(custom_id, error.get("line")))
+        if path.exists():
+            sources.append((str(path), path.open("rb")))
+    try:
+        return done_from(sources, batch_id)
+    finally:
+        for _, f in sources:
+            f.close()
+
+
+def done_from(sources: Iterable[tuple[str, Iterable[bytes]]], batch_id: str) -> DoneSet:
+    """The lines answered in these (name, lines) of output and errors. A record from
+    another batch means the results belong to another input: refuse rather than mix two
+    batches."""
+    prefix = f"batch-{batch_id}"
+    keys = array("Q")
+    for name, lines in sources:
+        for number, raw in enumerate(lines, 1):
+            try:
+                rec = json.loads(raw)
+                custom_id = rec.get("custom_id")
+                response = rec.get("response") or {}
+                error = rec.get("error") or {}
+            except (ValueError, AttributeError):
+                raise BatchError(f"{name}:{number} is not a batch output line") from None
+            request_id = response.get("request_id")
+            if request_id is not None and request_id.rpartition("-")[0] != prefix:
+                raise BatchError(
+                    f"{name} holds results of another batch (request {request_id}; this "
+                    f"batch's ids start {prefix}-): the input changed? Write to another "
+                    "file, or pass that batch's --batch-id"
+                )
+            keys.append(_key(custom_id, error.get("line")))
     return DoneSet(keys)
 
 
@@ -243,6 +254,16 @@ class Counts:
         return self.tokens / max(time.monotonic() - self.started, 1e-9)
 
 
+class Sink(Protocol):
+    """Where answers go: one record at a time, from any thread."""
+
+    def write(self, record: dict[str, Any], error: bool) -> None: ...
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
 class ResultFiles:
     """The output and errors files, appended to one whole line at a time (one write call,
     flushed at once: a killed run leaves at most a torn last line, which `repair` cuts)."""
@@ -253,7 +274,7 @@ class ResultFiles:
         self.lock = threading.Lock()
 
     def write(self, record: dict[str, Any], error: bool) -> None:
-        data = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        data = encode_record(record)
         f = self.errors if error else self.output
         with self.lock:
             f.write(data)
@@ -305,12 +326,14 @@ class BatchRun:
     Threads: the caller's reads the input and submits; follower threads (one per chunk of
     jobs, each over the client's single stream reader) write answers as they come. A
     semaphore of `max_outstanding` permits bounds the jobs submitted and not yet written.
+    `stop` (from any thread) ends it early: no more submits; with `cancel`, the jobs
+    still running are cancelled and their cut-off answers not written.
     """
 
     def __init__(
         self,
         client: Client,
-        files: ResultFiles,
+        sink: Sink,
         batch_id: str,
         *,
         model: str | None = None,
@@ -321,7 +344,7 @@ class BatchRun:
         if max_outstanding < 1:
             raise ValueError("max_outstanding must be at least 1")
         self.client = client
-        self.files = files
+        self.sink = sink
         self.batch_id = batch_id
         self.model = model
         self.queue_anyway = queue_anyway
@@ -333,6 +356,9 @@ class BatchRun:
         threads = -(-max_outstanding // self.chunk) + 1
         self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="batch")
         self.futures: set[concurrent.futures.Future[None]] = set()
+        self.stopped = threading.Event()
+        self.cancelled = False
+        self.running: dict[str, Job] = {}  # submitted, not yet answered (for cancel)
 
     # --- the caller's thread -----------------------------------------------------------
 
@@ -340,6 +366,8 @@ class BatchRun:
         """Submit every line not already answered, then wait for every answer."""
         batch: list[_Pending] = []
         for number, raw in lines:
+            if self.stopped.is_set():
+                break
             self._check_followers()
             try:
                 item = parse_line(raw, number)
@@ -355,25 +383,41 @@ class BatchRun:
             pending = self._convert(item)
             if pending is None:
                 continue
-            self._acquire()
+            if not self._acquire():
+                break
             batch.append(pending)
             if len(batch) >= self.chunk:
                 self._submit(batch)
                 batch = []
-        if batch:
+        if batch and not self.stopped.is_set():
             self._submit(batch)
         while self.futures:
             finished, _ = concurrent.futures.wait(self.futures, timeout=0.5)
             self._reap(finished)
         return self.counts
 
+    def stop(self, cancel: bool = False) -> None:
+        """Submit nothing more; `run` returns once the jobs submitted are answered, which
+        with `cancel` is at once: they are cancelled (a worker stops them within a step)."""
+        self.cancelled = self.cancelled or cancel
+        self.stopped.set()
+        if cancel:
+            with self.lock:
+                jobs = list(self.running.values())
+            for job in jobs:
+                job.cancel()
+
     def close(self) -> None:
         """Stop following (jobs already queued keep running; a re-run follows them)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _acquire(self) -> None:
+    def _acquire(self) -> bool:
+        """A permit for one more job; False once the run is stopped."""
         while not self.permits.acquire(timeout=0.5):
+            if self.stopped.is_set():
+                return False
             self._check_followers()
+        return True
 
     def _check_followers(self) -> None:
         self._reap({f for f in self.futures if f.done()})
@@ -430,6 +474,11 @@ class BatchRun:
                 else:
                     live.append((pending, job))
             if live:
+                with self.lock:
+                    self.running.update((job.id, job) for _, job in live)
+                if self.cancelled:  # stopped while this chunk was on its way
+                    for _, job in live:
+                        job.cancel()
                 self.futures.add(self.pool.submit(self._follow, live))
 
     def _submit_many(self, requests: list[JobRequest]) -> list[Job]:
@@ -487,6 +536,8 @@ class BatchRun:
                     logprobs[job.id] = Logprobs()
             if event.type not in TERMINAL_EVENTS:
                 continue
+            with self.lock:
+                self.running.pop(job.id, None)
             for pending in by_job[job.id]:
                 self._finish(pending, event, logprobs.get(job.id))
                 self.permits.release()
@@ -499,6 +550,8 @@ class BatchRun:
             error = BadRequest(message, "custom_id", code="duplicate_custom_id")
             self._answer(failure_record(item.custom_id, pending.job_id, error), error=True)
             return
+        if self.cancelled and isinstance(event, DoneEvent) and event.finish_reason == "cancelled":
+            return  # cut off by the batch's cancel: no answer
         if isinstance(event, ErrorEvent):
             error = job_error(event.code, event.message)
             self._answer(failure_record(item.custom_id, pending.job_id, error), error=True)
@@ -526,7 +579,7 @@ class BatchRun:
     # --- either ------------------------------------------------------------------------
 
     def _answer(self, record: dict[str, Any], error: bool, tokens: int = 0) -> None:
-        self.files.write(record, error)
+        self.sink.write(record, error)
         if error:
             self._tally(failed=1)
         else:
