@@ -245,6 +245,7 @@ def add_serve(sub: Any) -> None:
     the command is still listed, and says what to install."""
     help = "the OpenAI API over the queue (needs tokenq[serve])"
     try:
+        from tokenq.producer.batch_api import BatchConfig
         from tokenq.producer.gateway import GatewayConfig
     except ImportError as exc:
         missing = exc.name
@@ -285,6 +286,27 @@ def add_serve(sub: Any) -> None:
         help="seconds, in the Retry-After of a 429 (queue full)",
     )
     option(serve, "--max-backlog", type=int, help="429 beyond this many jobs in a model's lane")
+    option(
+        serve,
+        "--max-file",
+        type=parse_size,
+        default=BatchConfig.max_file_bytes,
+        help="batch input files over this many bytes get 413",
+    )
+    option(
+        serve,
+        "--batch-lock-ttl",
+        type=float,
+        default=BatchConfig.lock_ttl_s,
+        help="seconds after which a dead gateway's batches are taken over",
+    )
+    option(
+        serve,
+        "--batch-poll",
+        type=float,
+        default=BatchConfig.poll_s,
+        help="seconds between the batch runner's looks at Redis",
+    )
     option(serve, "--log-level", default="warning", help="uvicorn's log level")
     serve.set_defaults(run=cmd_serve)
 
@@ -295,6 +317,7 @@ def _not_installed(missing: str | None) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenq.producer.batch_api import BatchConfig
     from tokenq.producer.gateway import GatewayConfig, serve
 
     config = GatewayConfig(
@@ -306,7 +329,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         retry_after=args.retry_after,
         max_backlog=args.max_backlog,
     )
-    serve(config, args.host, args.port, args.log_level)
+    batches = BatchConfig(
+        max_file_bytes=args.max_file, poll_s=args.batch_poll, lock_ttl_s=args.batch_lock_ttl
+    )
+    serve(config, args.host, args.port, args.log_level, batches)
     return 0
 
 

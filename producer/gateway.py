@@ -37,6 +37,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from tokenq.producer.batch_api import BatchConfig, batch_router
 from tokenq.producer.client import DEFAULT_REDIS_URL, AsyncClient, AsyncJob
 from tokenq.producer.errors import QueueFull, UnknownModel
 from tokenq.producer.openai_api import (
@@ -514,7 +515,7 @@ def openai_router() -> APIRouter:
     return router
 
 
-def create_app(config: GatewayConfig | None = None) -> FastAPI:
+def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None = None) -> FastAPI:
     """The gateway's app: OpenAI's routes, and `app.state.client` (an AsyncClient),
     `app.state.redis` (its connection) and `app.state.config` for routers added later."""
     config = config or GatewayConfig()
@@ -550,10 +551,19 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
         )
 
     app.include_router(openai_router())
+    app.include_router(batch_router(batches))  # /v1/files, /v1/batches and their runner
     return app
 
 
-def serve(config: GatewayConfig, host: str, port: int, log_level: str = "warning") -> None:
+def serve(
+    config: GatewayConfig,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    batches: BatchConfig | None = None,
+) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(
+        create_app(config, batches), host=host, port=port, log_level=log_level, access_log=False
+    )

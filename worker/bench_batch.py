@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         conn.ping()
     except redis.ConnectionError:
-        raise SystemExit(f"tokenq bench batch: needs a Redis server; none at {args.redis_url}")
+        raise SystemExit(f"tokenq bench batch: no Redis server at {args.redis_url}") from None
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     directs: list[RunResult] = []
     batches: list[RunResult] = []
