@@ -168,6 +168,27 @@ def test_a_batch_killed_halfway_resumes_without_generating_anything_twice(
         conn.close()
 
 
+def test_ctrl_c_stops_the_command_cleanly_and_the_same_command_resumes(
+    worker: WorkerProcess, redis_url: str, redis_namespace: str, tmp_path: Path
+) -> None:
+    source = write_batch(tmp_path / "in.jsonl", [request_line(i) for i in range(300)])
+    out = tmp_path / "out.jsonl"
+    cmd = batch_cmd(redis_url, redis_namespace, source, out)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(records(out)) >= 50, timeout=120, interval=0.005)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; run the same command to resume" in err and "Traceback" not in err
+    resumed = run_batch(redis_url, redis_namespace, source, out)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(r["custom_id"] for r in records(out)) == sorted(f"req-{i}" for i in range(300))
+
+
 def test_malformed_lines_are_reported_with_their_line_numbers_and_the_rest_is_done(
     worker: WorkerProcess, redis_url: str, redis_namespace: str, tmp_path: Path
 ) -> None:
