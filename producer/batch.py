@@ -353,7 +353,9 @@ class BatchRun:
         self.counts = Counts()
         self.on_answer = on_answer
         self.lock = threading.Lock()
-        threads = -(-max_outstanding // self.chunk) + 1
+        # Chunks are submitted short when permits run out: room for more of them than
+        # max_outstanding / CHUNK (a chunk holds its thread until its last answer).
+        threads = max(2, max_outstanding // 8)
         self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="batch")
         self.futures: set[concurrent.futures.Future[None]] = set()
         self.stopped = threading.Event()
@@ -383,8 +385,14 @@ class BatchRun:
             pending = self._convert(item)
             if pending is None:
                 continue
-            if not self._acquire():
-                break
+            if not self.permits.acquire(blocking=False):
+                # Out of permits: queue what is gathered before waiting, so the workers
+                # never idle while a chunk fills up.
+                if batch:
+                    self._submit(batch)
+                    batch = []
+                if not self._acquire():
+                    break
             batch.append(pending)
             if len(batch) >= self.chunk:
                 self._submit(batch)

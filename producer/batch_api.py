@@ -375,7 +375,8 @@ class BatchRunner:
             done = await asyncio.to_thread(self._done, conn, batch_id, h)
             work = asyncio.create_task(asyncio.to_thread(run.run, input_lines(content), done))
             outcome = await self._watch(batch_id, h, run, work)
-        finally:
+        finally:  # also when the gateway stops: its jobs go on, the next runner follows
+            run.stop()
             run.close()
             await asyncio.to_thread(client.close)
             conn.close()
