@@ -172,7 +172,10 @@ def cmd_batch_run(args: argparse.Namespace) -> int:
 
         from tokenq.producer import batch
     except ImportError as exc:
-        print(f"tokenq batch: {exc.name} is not installed: pip install 'tokenq[batch]'")
+        print(
+            f"tokenq batch: {exc.name} is not installed: pip install 'tokenq[batch]'",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     errors = args.errors or args.output.with_name(args.output.name + ".errors")
     if not args.input.is_file():
