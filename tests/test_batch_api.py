@@ -254,3 +254,47 @@ def _completed_batch(sdk: openai.OpenAI) -> str:
         completion_window="24h",
     )
     return wait_status(sdk, batch.id, "completed").id
+
+
+def test_a_batch_past_its_window_expires_and_keeps_what_was_answered(
+    gateway: GatewayProcess, redis_url: str, namespace: str
+) -> None:
+    sdk = gateway.sdk()
+    long = {"max_tokens": 1500, "ignore_eos": True}
+    content = jsonl([line(i) for i in range(2)] + [line(i, **long) for i in range(2, 60)])
+    batch = sdk.batches.create(
+        input_file_id=upload(sdk, content), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.expires_at == batch.created_at + 24 * 3600
+    deadline = time.monotonic() + 60
+    while sdk.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    conn = redis.Redis.from_url(redis_url)
+    try:  # 24 hours pass
+        conn.hset(f"{namespace}:batch:{batch.id}", "expires_at", int(time.time()) - 1)
+    finally:
+        conn.close()
+    expired = wait_status(sdk, batch.id, "expired", timeout=30)
+    assert expired.expired_at and 2 <= expired.request_counts.completed < 60
+    assert len(lines_of(sdk, expired.output_file_id)) == expired.request_counts.completed
+
+
+def test_batches_are_listed_newest_first_a_page_at_a_time(gateway: GatewayProcess) -> None:
+    sdk = gateway.sdk()
+    ids = [
+        sdk.batches.create(
+            input_file_id=upload(sdk, jsonl([line(i)])),
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        ).id
+        for i in range(3)
+    ]
+    first = sdk.batches.list(limit=2)
+    assert first.has_more and len(first.data) == 2
+    listed = [b.id for b in sdk.batches.list(limit=2)]  # the SDK follows `after` page by page
+    assert listed[:3] == ids[::-1] and len(listed) == len(set(listed))
+    with pytest.raises(openai.NotFoundError):
+        sdk.batches.retrieve("batch_missing")
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.content("file_missing")
