@@ -12,10 +12,9 @@ nothing the workers are running.
   stream's id), else the event the gateway last sent for that key (the bookmark
   `ns:gw:sent:<id>`, written when a stream's client leaves).
 - A client that disconnects cancels its job, after `cancel_grace` seconds during which a
-  retry with the same key may attach instead (the SDKs retry a cut connection with the
-  same key), unless it sent `X-Tokenq-Keep-Running: 1`. `ns:gw:watchers:<id>` counts the
-  connections a job has beyond its first, so one leaving while another watches cancels
-  nothing.
+  retry with the same key may attach instead, unless it sent `X-Tokenq-Keep-Running: 1`.
+  `ns:gw:watchers:<id>` counts the connections a job has beyond its first, so one leaving
+  while another watches cancels nothing.
 - Errors come in OpenAI's shape with their HTTP status; `create_app` leaves room for more
   routers (`app.include_router`), which find the shared client in `app.state.client` and
   its Redis connection in `app.state.redis`.
@@ -25,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -71,6 +71,7 @@ TIMEOUT_HEADER = "x-tokenq-timeout"
 JOB_HEADER = "X-Tokenq-Job-Id"
 EVENT_ID_RE = re.compile(r"\d{1,20}-\d{1,20}")
 TRUE = ("1", "true", "yes", "on")
+log = logging.getLogger("tokenq.gateway")
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,12 @@ class Attachment:
         task.add_done_callback(tasks.discard)
 
     async def _leave(self) -> None:
+        try:
+            await self._bookmark_and_cancel()
+        except redis.RedisError as exc:  # the job then runs to its end: nothing is lost
+            log.warning("job %s: its client left, and Redis failed: %s", self.job.id, exc)
+
+    async def _bookmark_and_cancel(self) -> None:
         client: AsyncClient = self.app.state.client
         config: GatewayConfig = self.app.state.config
         watchers, sent = _watchers_key(client, self.job.id), _sent_key(client, self.job.id)

@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     option(demo, "--max-tokens", type=int, default=48, help="tokens per answer")
     demo.set_defaults(run=run_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine, queue, fleet, kernels")
-    bench.add_argument("target", choices=("engine", "queue", "fleet", "kernels"))
+    bench = sub.add_parser("bench", help="benchmarks: engine, queue, gateway, fleet, kernels")
+    bench.add_argument("target", choices=("engine", "queue", "gateway", "fleet", "kernels"))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(run=run_bench)
     return parser
@@ -177,6 +177,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from tokenq.worker.bench_fleet import main as bench_fleet
 
         bench_fleet(args.args)
+    elif args.target == "gateway":
+        from tokenq.worker.bench_gateway import main as bench_gateway
+
+        bench_gateway(args.args)
     else:
         from tokenq.worker.bench_queue import main as bench_queue
 
