@@ -1,0 +1,288 @@
+"""The gateway's operator endpoints: the fleet's Prometheus gauges at /metrics, and
+/dashboard, a live page of workers, lanes, tokens per second, TTFT and dead letters.
+
+Everything comes from Redis (`producer/fleet.py`, `producer/dlq.py`): the gateway asks no
+worker. Tokens per second and TTFT come from the counters each worker's registry entry
+carries on every heartbeat (`tokens_generated`, `ttft_sum_s`, `ttft_count`): a worker's
+rate is their change between its last two heartbeats, the fleet's the sum over the
+workers still reporting. This process keeps a few minutes of those figures in memory,
+sampled when the page asks (at most once per `sample_s`, shared by every viewer), so a
+page opened later draws what earlier viewers saw; nothing is kept while nobody looks.
+
+Redis is read with blocking redis-py calls: the endpoints run them in Starlette's thread
+pool, never on the event loop, and give the connection socket timeouts so that a Redis
+that does not answer costs a scrape seconds, not forever.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from tokenq.producer.dlq import DeadLetters
+from tokenq.producer.fleet import (
+    DEFAULT_STALE_S,
+    Fleet,
+    FleetCollector,
+    FleetReader,
+    RegisteredWorker,
+)
+from tokenq.producer.protocol import DEFAULT_NAMESPACE, LANES
+
+HISTORY_S = 600.0  # how far back the charts go
+SAMPLE_S = 1.0  # at most one chart point per this many seconds, however many viewers
+DEAD_LETTERS_SHOWN = 20  # the newest ones; `tokenq dlq list` shows more
+PAGE = resources.files("tokenq.producer").joinpath("dashboard.html").read_text("utf-8")
+
+
+@dataclass
+class Beat:
+    """A worker's counters as one heartbeat carried them."""
+
+    at: float  # its heartbeat time, unix seconds
+    started_at: float | None
+    tokens: float
+    ttft_sum: float
+    ttft_count: float
+
+
+@dataclass
+class Interval:
+    """A worker's counters' change between two heartbeats."""
+
+    start: float
+    end: float
+    tokens: float
+    ttft_sum: float
+    ttft_count: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.end - self.start)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.ttft_sum / self.ttft_count if self.ttft_count else None
+
+
+def _beat(worker: RegisteredWorker) -> Beat | None:
+    f = worker.figures
+    if "tokens_generated" not in f:
+        return None  # a worker from before the registry carried its load
+    return Beat(
+        worker.heartbeat_at,
+        worker.started_at,
+        f["tokens_generated"],
+        f.get("ttft_sum_s", 0.0),
+        f.get("ttft_count", 0.0),
+    )
+
+
+class Rates:
+    """Tokens per second and TTFT, per worker and for the fleet, with a short history."""
+
+    def __init__(self, history_s: float = HISTORY_S, sample_s: float = SAMPLE_S) -> None:
+        self.history_s = history_s
+        self.sample_s = sample_s
+        self._last: dict[str, Beat] = {}
+        self._latest: dict[str, Interval] = {}
+        # (Redis time, fleet tokens/s, fleet mean TTFT or None when no request finished)
+        self.points: deque[tuple[float, float, float | None]] = deque()
+
+    def observe(self, fleet: Fleet) -> None:
+        """Take the heartbeats that are new since the last call; add a chart point."""
+        registered = set()
+        for worker in fleet.workers:
+            registered.add(worker.consumer)
+            beat = _beat(worker)
+            prev = self._last.get(worker.consumer)
+            if beat is None or (prev is not None and beat.at <= prev.at):
+                continue
+            self._last[worker.consumer] = beat
+            if prev is None:
+                continue
+            if (
+                beat.started_at != prev.started_at
+                or beat.tokens < prev.tokens
+                or beat.ttft_count < prev.ttft_count
+            ):
+                self._latest.pop(worker.consumer, None)  # restarted: its counters began again
+                continue
+            self._latest[worker.consumer] = Interval(
+                prev.at,
+                beat.at,
+                beat.tokens - prev.tokens,
+                beat.ttft_sum - prev.ttft_sum,
+                beat.ttft_count - prev.ttft_count,
+            )
+        for gone in set(self._last) - registered:
+            self._last.pop(gone)
+            self._latest.pop(gone, None)
+        if self.points and fleet.at - self.points[-1][0] < self.sample_s:
+            return
+        tokens, ttft = self.fleet(fleet)
+        self.points.append((fleet.at, tokens, ttft))
+        while self.points and self.points[0][0] < fleet.at - self.history_s:
+            self.points.popleft()
+
+    def current(self, worker: RegisteredWorker) -> Interval | None:
+        """The worker's last interval while it still reports: a worker whose next
+        heartbeat is overdue (twice its interval and a second) has stopped."""
+        interval = self._latest.get(worker.consumer)
+        if interval is None or not worker.live:
+            return None
+        if worker.heartbeat_age_s > 2 * (interval.end - interval.start) + 1:
+            return None
+        return interval
+
+    def fleet(self, fleet: Fleet) -> tuple[float, float | None]:
+        """The fleet's tokens per second (the sum of its workers') and mean TTFT (over the
+        requests its workers finished in their last intervals)."""
+        now = [i for i in map(self.current, fleet.workers) if i is not None]
+        count = sum(i.ttft_count for i in now)
+        ttft = sum(i.ttft_sum for i in now) / count if count else None
+        return sum(i.tokens_per_s for i in now), ttft
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+class FleetView:
+    """What /dashboard/data answers: the fleet now, and the rates' history. Thread-safe
+    (the endpoints call it from the thread pool, one viewer's poll beside another's)."""
+
+    def __init__(
+        self,
+        conn: redis.Redis,
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        stale_s: float = DEFAULT_STALE_S,
+        history_s: float = HISTORY_S,
+        sample_s: float = SAMPLE_S,
+        dead_letters: int = DEAD_LETTERS_SHOWN,
+    ) -> None:
+        self.reader = FleetReader(conn, namespace, stale_s=stale_s)
+        self.dead = DeadLetters(conn, namespace)
+        self.rates = Rates(history_s, sample_s)
+        self.dead_letters = dead_letters
+        self._lock = threading.Lock()
+
+    def data(self) -> dict[str, Any]:
+        with self._lock:
+            fleet = self.reader.read(entries=0)
+            letters = self.dead.newest(self.dead_letters) if fleet.dead_letters else []
+            self.rates.observe(fleet)
+            tokens, ttft = self.rates.fleet(fleet)
+            points = [[t, _round(v), _round(s, 4)] for t, v, s in self.rates.points]
+        workers = [self._worker(w) for w in fleet.workers]
+        live = [w for w in workers if w["live"]]
+        return {
+            "namespace": fleet.namespace,
+            "at": fleet.at,
+            "totals": {
+                "live_workers": len(live),
+                "running": sum(w["running"] or 0 for w in live),
+                "waiting": sum(w["waiting"] or 0 for w in live),
+                "tokens_per_s": round(tokens, 3),
+                "ttft_s": _round(ttft, 4),
+            },
+            "workers": workers,
+            "models": [
+                {
+                    "name": m.name,
+                    "workers": m.workers,
+                    "lanes": {
+                        lane: {
+                            "backlog": m.lanes[lane].backlog,
+                            "waiting": m.lanes[lane].waiting,
+                            "pending": m.lanes[lane].pending,
+                            "oldest_age_s": m.lanes[lane].oldest.age_s
+                            if m.lanes[lane].oldest
+                            else None,
+                        }
+                        for lane in LANES
+                    },
+                }
+                for m in fleet.models
+            ],
+            "dead_letters": {
+                "count": fleet.dead_letters,
+                "newest": [
+                    {
+                        "id": d.id,
+                        "job_id": d.job_id,
+                        "code": d.code,
+                        "message": d.message,
+                        "age_s": round(max(0.0, fleet.at - d.failed_at), 1),
+                    }
+                    for d in letters
+                ],
+            },
+            "history": {"window_s": self.rates.history_s, "points": points},
+        }
+
+    def _worker(self, w: RegisteredWorker) -> dict[str, Any]:
+        interval = self.rates.current(w)
+        running = w.figures.get("num_requests_running", w.load.get("num_requests_running"))
+        waiting = w.figures.get("num_requests_waiting", w.load.get("num_requests_waiting"))
+        return {
+            "consumer": w.consumer,
+            "live": w.live,
+            "model": w.names[0] if w.names else None,
+            "names": w.names,
+            "host": w.host,
+            "pid": w.pid,
+            "heartbeat_age_s": round(w.heartbeat_age_s, 1),
+            "running": None if running is None else int(running),
+            "waiting": None if waiting is None else int(waiting),
+            "kv_cache_usage": w.load.get("kv_cache_usage_perc"),
+            "tokens_per_s": None if interval is None else round(interval.tokens_per_s, 3),
+            "ttft_s": None if interval is None else _round(interval.ttft_s, 4),
+        }
+
+
+def dashboard_router(
+    conn: redis.Redis,
+    namespace: str = DEFAULT_NAMESPACE,
+    *,
+    stale_s: float = DEFAULT_STALE_S,
+) -> APIRouter:
+    """GET /metrics (the fleet's gauges), /dashboard (the page) and /dashboard/data (its
+    JSON). `conn`: a synchronous client with socket timeouts (see the module's docstring)."""
+    view = FleetView(conn, namespace, stale_s=stale_s)
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(conn, namespace, stale_s=stale_s))
+    router = APIRouter()
+
+    @router.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        body = await run_in_threadpool(generate_latest, registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/dashboard", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(PAGE, headers={"Cache-Control": "no-cache"})
+
+    @router.get("/dashboard/data", include_in_schema=False)
+    async def data() -> JSONResponse:
+        try:
+            body = await run_in_threadpool(view.data)
+        except redis.RedisError as exc:
+            message = f"Redis did not answer: {exc}"
+            return JSONResponse(
+                {"error": {"message": message, "at": round(time.time(), 3)}}, status_code=503
+            )
+        return JSONResponse(body, headers={"Cache-Control": "no-store"})
+
+    return router
