@@ -4,14 +4,15 @@
 Everything comes from Redis (`producer/fleet.py`, `producer/dlq.py`): the gateway asks no
 worker. Tokens per second and TTFT come from the counters each worker's registry entry
 carries on every heartbeat (`tokens_generated`, `ttft_sum_s`, `ttft_count`): a worker's
-rate is their change between its last two heartbeats, the fleet's the sum over the
-workers still reporting. This process keeps a few minutes of those figures in memory,
-sampled when the page asks (at most once per `sample_s`, shared by every viewer), so a
-page opened later draws what earlier viewers saw; nothing is kept while nobody looks.
+tokens per second are their change between its last two heartbeats, the fleet's the sum
+over the workers still reporting; TTFT is the mean over the requests finished in the last
+minute. This process keeps ten minutes of these figures in memory, sampled when the page
+asks (at most once a second, shared by every viewer): a page opened later draws what
+earlier viewers saw, and nothing is kept while nobody looks.
 
-Redis is read with blocking redis-py calls: the endpoints run them in Starlette's thread
-pool, never on the event loop, and give the connection socket timeouts so that a Redis
-that does not answer costs a scrape seconds, not forever.
+Redis is read with blocking redis-py calls, so the endpoints run them in Starlette's
+thread pool, never on the event loop; the connection they are given needs socket timeouts
+so that a Redis that does not answer costs a request seconds, not forever.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tokenq.producer.protocol import DEFAULT_NAMESPACE, LANES
 
 HISTORY_S = 600.0  # how far back the charts go
 SAMPLE_S = 1.0  # at most one chart point per this many seconds, however many viewers
+TTFT_WINDOW_S = 60.0  # TTFT is the mean over the requests finished this long back
 DEAD_LETTERS_SHOWN = 20  # the newest ones; `tokenq dlq list` shows more
 PAGE = resources.files("tokenq.producer").joinpath("dashboard.html").read_text("utf-8")
 
@@ -70,10 +72,6 @@ class Interval:
     def tokens_per_s(self) -> float:
         return self.tokens / (self.end - self.start)
 
-    @property
-    def ttft_s(self) -> float | None:
-        return self.ttft_sum / self.ttft_count if self.ttft_count else None
-
 
 def _beat(worker: RegisteredWorker) -> Beat | None:
     f = worker.figures
@@ -89,14 +87,24 @@ def _beat(worker: RegisteredWorker) -> Beat | None:
 
 
 class Rates:
-    """Tokens per second and TTFT, per worker and for the fleet, with a short history."""
+    """Tokens per second and TTFT, per worker and for the fleet, with a short history.
 
-    def __init__(self, history_s: float = HISTORY_S, sample_s: float = SAMPLE_S) -> None:
+    Tokens per second are a worker's last interval between heartbeats (what it does now);
+    TTFT is the mean over the requests finished in the last `ttft_window_s` (a request
+    finishes now and then: one interval's mean would be blank most of the time)."""
+
+    def __init__(
+        self,
+        history_s: float = HISTORY_S,
+        sample_s: float = SAMPLE_S,
+        ttft_window_s: float = TTFT_WINDOW_S,
+    ) -> None:
         self.history_s = history_s
         self.sample_s = sample_s
+        self.ttft_window_s = ttft_window_s
         self._last: dict[str, Beat] = {}
-        self._latest: dict[str, Interval] = {}
-        # (Redis time, fleet tokens/s, fleet mean TTFT or None when no request finished)
+        self._intervals: dict[str, deque[Interval]] = {}  # the last ttft_window_s, per worker
+        # (Redis time, fleet tokens/s, fleet mean TTFT over ttft_window_s or None)
         self.points: deque[tuple[float, float, float | None]] = deque()
 
     def observe(self, fleet: Fleet) -> None:
@@ -111,47 +119,60 @@ class Rates:
             self._last[worker.consumer] = beat
             if prev is None:
                 continue
+            intervals = self._intervals.setdefault(worker.consumer, deque())
             if (
                 beat.started_at != prev.started_at
                 or beat.tokens < prev.tokens
                 or beat.ttft_count < prev.ttft_count
             ):
-                self._latest.pop(worker.consumer, None)  # restarted: its counters began again
+                intervals.clear()  # restarted: its counters began again
                 continue
-            self._latest[worker.consumer] = Interval(
-                prev.at,
-                beat.at,
-                beat.tokens - prev.tokens,
-                beat.ttft_sum - prev.ttft_sum,
-                beat.ttft_count - prev.ttft_count,
+            intervals.append(
+                Interval(
+                    prev.at,
+                    beat.at,
+                    beat.tokens - prev.tokens,
+                    beat.ttft_sum - prev.ttft_sum,
+                    beat.ttft_count - prev.ttft_count,
+                )
             )
+            while intervals[0].end < beat.at - self.ttft_window_s:
+                intervals.popleft()
         for gone in set(self._last) - registered:
             self._last.pop(gone)
-            self._latest.pop(gone, None)
+            self._intervals.pop(gone, None)
         if self.points and fleet.at - self.points[-1][0] < self.sample_s:
             return
-        tokens, ttft = self.fleet(fleet)
-        self.points.append((fleet.at, tokens, ttft))
+        self.points.append((fleet.at, self.tokens_per_s(fleet.workers), self.ttft(fleet.workers)))
         while self.points and self.points[0][0] < fleet.at - self.history_s:
             self.points.popleft()
 
     def current(self, worker: RegisteredWorker) -> Interval | None:
         """The worker's last interval while it still reports: a worker whose next
         heartbeat is overdue (twice its interval and a second) has stopped."""
-        interval = self._latest.get(worker.consumer)
-        if interval is None or not worker.live:
+        intervals = self._intervals.get(worker.consumer)
+        if not intervals or not worker.live:
             return None
-        if worker.heartbeat_age_s > 2 * (interval.end - interval.start) + 1:
+        last = intervals[-1]
+        if worker.heartbeat_age_s > 2 * (last.end - last.start) + 1:
             return None
-        return interval
+        return last
 
-    def fleet(self, fleet: Fleet) -> tuple[float, float | None]:
-        """The fleet's tokens per second (the sum of its workers') and mean TTFT (over the
-        requests its workers finished in their last intervals)."""
-        now = [i for i in map(self.current, fleet.workers) if i is not None]
-        count = sum(i.ttft_count for i in now)
-        ttft = sum(i.ttft_sum for i in now) / count if count else None
-        return sum(i.tokens_per_s for i in now), ttft
+    def tokens_per_s(self, workers: list[RegisteredWorker]) -> float:
+        """The sum of the workers' rates now (stopped ones count 0)."""
+        return sum(i.tokens_per_s for i in map(self.current, workers) if i is not None)
+
+    def ttft(self, workers: list[RegisteredWorker]) -> float | None:
+        """Mean TTFT of the requests these workers finished in the last ttft_window_s
+        (of their heartbeats: none when none finished)."""
+        recent = [i for w in workers for i in self._recent(w)]
+        count = sum(i.ttft_count for i in recent)
+        return sum(i.ttft_sum for i in recent) / count if count else None
+
+    def _recent(self, worker: RegisteredWorker) -> list[Interval]:
+        intervals = self._intervals.get(worker.consumer, ())
+        since = worker.heartbeat_at + worker.heartbeat_age_s - self.ttft_window_s
+        return [i for i in intervals if i.end >= since]
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:
@@ -183,7 +204,8 @@ class FleetView:
             fleet = self.reader.read(entries=0)
             letters = self.dead.newest(self.dead_letters) if fleet.dead_letters else []
             self.rates.observe(fleet)
-            tokens, ttft = self.rates.fleet(fleet)
+            tokens = self.rates.tokens_per_s(fleet.workers)
+            ttft = self.rates.ttft(fleet.workers)
             points = [[t, _round(v), _round(s, 4)] for t, v, s in self.rates.points]
         workers = [self._worker(w) for w in fleet.workers]
         live = [w for w in workers if w["live"]]
@@ -196,6 +218,7 @@ class FleetView:
                 "waiting": sum(w["waiting"] or 0 for w in live),
                 "tokens_per_s": round(tokens, 3),
                 "ttft_s": _round(ttft, 4),
+                "ttft_window_s": self.rates.ttft_window_s,
             },
             "workers": workers,
             "models": [
@@ -234,6 +257,7 @@ class FleetView:
 
     def _worker(self, w: RegisteredWorker) -> dict[str, Any]:
         interval = self.rates.current(w)
+        ttft = self.rates.ttft([w])
         running = w.figures.get("num_requests_running", w.load.get("num_requests_running"))
         waiting = w.figures.get("num_requests_waiting", w.load.get("num_requests_waiting"))
         return {
@@ -248,7 +272,7 @@ class FleetView:
             "waiting": None if waiting is None else int(waiting),
             "kv_cache_usage": w.load.get("kv_cache_usage_perc"),
             "tokens_per_s": None if interval is None else round(interval.tokens_per_s, 3),
-            "ttft_s": None if interval is None else _round(interval.ttft_s, 4),
+            "ttft_s": _round(ttft, 4),
         }
 
 
