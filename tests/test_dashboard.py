@@ -274,6 +274,8 @@ def test_the_dashboard_shows_the_fleet_moving(
         # their mean (as their done events give it), in the data and on the page.
         registry = client.keys.worker("w1")
         wait_for(lambda: client.redis.hget(registry, "ttft_count") == b"7")
+        generated = float(client.redis.hget(registry, "tokens_generated") or 0)
+        assert generated == sum(d.usage.completion_tokens for d in dones)
         _, _, body = get(app.url + "/dashboard/data")
         data = json.loads(body)
         assert data["totals"]["ttft_s"] == pytest.approx(expected, abs=1e-3)
@@ -294,3 +296,54 @@ def test_the_dashboard_shows_the_fleet_moving(
         assert cell(browser, "lane-other-batch", "depth") == "3"
     assert not [j for j in nobody if j.status() != "queued"]
     client.close()
+
+
+# --- rates from heartbeats, without Redis ---------------------------------------------------
+
+
+def beat(consumer: str, at: float, now: float, tokens: float, ttft: tuple[float, float]) -> Any:
+    from tokenq.producer.fleet import RegisteredWorker
+
+    figures = {"tokens_generated": tokens, "ttft_sum_s": ttft[0], "ttft_count": ttft[1]}
+    return RegisteredWorker(consumer, now - at <= 30, at, now - at, ["tiny"], figures=figures)
+
+
+def fleet_at(now: float, *workers: Any) -> Any:
+    from tokenq.producer.fleet import Fleet
+
+    return Fleet("ns", now, [], list(workers), [], 0)
+
+
+def test_rates_come_from_the_counters_between_heartbeats() -> None:
+    from tokenq.producer.dashboard import Rates
+
+    rates = Rates(history_s=600, sample_s=1, ttft_window_s=60)
+    rates.observe(fleet_at(100, beat("a", 100, 100, 1000, (0, 0)), beat("b", 99, 100, 50, (0, 0))))
+    assert rates.points[-1] == (100, 0, None)  # one heartbeat each: no rate yet
+    a = beat("a", 102, 102.5, 1400, (0.5, 2))  # 400 tokens in 2 s, two requests
+    b = beat("b", 101, 102.5, 150, (0.3, 1))  # 100 in 2 s, one
+    rates.observe(fleet_at(102.5, a, b))
+    assert rates.tokens_per_s([a]) == 200 and rates.tokens_per_s([a, b]) == 250
+    assert rates.ttft([a, b]) == pytest.approx(0.8 / 3)
+    assert rates.points[-1] == (102.5, 250, pytest.approx(0.8 / 3))
+    # The same heartbeats read again add no interval, and a point at most once per second.
+    rates.observe(fleet_at(103, a, b))
+    assert len(rates.points) == 2 and rates.tokens_per_s([a, b]) == 250
+    # b's next heartbeat is overdue (more than twice its interval and a second): it has
+    # stopped, its rate counts no more, but the requests it finished count for TTFT.
+    a = beat("a", 106, 106.2, 1400, (0.5, 2))  # idle now
+    b = beat("b", 101, 106.2, 150, (0.3, 1))
+    rates.observe(fleet_at(106.2, a, b))
+    assert rates.tokens_per_s([a, b]) == 0
+    assert rates.ttft([a, b]) == pytest.approx(0.8 / 3)
+    # a restarts (new started_at, counters from 0): no negative rate, just no interval.
+    restarted = beat("a", 108, 108, 10, (0, 0))
+    restarted.started_at = 107.5
+    rates.observe(fleet_at(108, restarted, b))
+    assert rates.tokens_per_s([restarted]) == 0 and rates.ttft([restarted]) is None
+    # Past the TTFT window, b's requests no longer count; past the history, points go.
+    late = beat("b", 101, 190, 150, (0.3, 1))
+    rates.observe(fleet_at(190, late))
+    assert rates.ttft([late]) is None
+    rates.observe(fleet_at(800, late))
+    assert [p[0] for p in rates.points] == [800]
