@@ -298,6 +298,15 @@ def test_the_dashboard_shows_the_fleet_moving(
     client.close()
 
 
+def test_the_dashboard_says_when_redis_does_not_answer(browser: Any) -> None:
+    with AppServer(app_for(f"redis://127.0.0.1:{free_port()}/0", "nowhere")) as app:
+        browser.get(app.url + "/dashboard")
+        wait(browser, "the error", lambda: (text(browser, "status") or "").startswith("no data"))
+        assert "Redis did not answer" in text(browser, "status")  # type: ignore[operator]
+        assert browser.find_element("id", "status").get_attribute("class") == "error"
+        assert text(browser, "live-workers") == "-"
+
+
 # --- rates from heartbeats, without Redis ---------------------------------------------------
 
 
