@@ -121,9 +121,80 @@ def add_commands(sub: Any) -> None:
     flag_option(models, "--json", "print JSON")
     models.set_defaults(run=cmd_models)
     celery_bridge.add_parser(sub)
+    add_serve(sub)
     from tokenq.producer import ops  # ops uses this module's helpers: import it once they exist
 
     ops.add_commands(sub)
+
+
+def add_serve(sub: Any) -> None:
+    """`tokenq serve`, the OpenAI API gateway (producer/gateway.py). Without tokenq[serve]
+    the command is still listed, and says what to install."""
+    help = "the OpenAI API over the queue (needs tokenq[serve])"
+    try:
+        from tokenq.producer.gateway import GatewayConfig
+    except ImportError as exc:
+        missing = exc.name
+        serve = sub.add_parser("serve", help=help, add_help=False)
+        serve.add_argument("args", nargs=argparse.REMAINDER)
+        serve.set_defaults(run=lambda _: _not_installed(missing))
+        return
+    serve = sub.add_parser("serve", help=help)
+    common_options(serve)
+    option(serve, "--host", default="127.0.0.1", help="address to listen on")
+    option(serve, "--port", type=int, default=8000, help="port to listen on")
+    option(
+        serve,
+        "--max-body",
+        type=parse_size,
+        default=GatewayConfig.max_body_bytes,
+        help="request bodies over this many bytes get 413",
+    )
+    option(
+        serve,
+        "--request-timeout",
+        type=float,
+        default=GatewayConfig.request_timeout,
+        help="seconds: a job's deadline (the X-Tokenq-Timeout header may shorten it); 504",
+    )
+    option(
+        serve,
+        "--cancel-grace",
+        type=float,
+        default=GatewayConfig.cancel_grace,
+        help="seconds a job whose client left waits for a retry before it is cancelled",
+    )
+    option(
+        serve,
+        "--retry-after",
+        type=int,
+        default=GatewayConfig.retry_after,
+        help="seconds, in the Retry-After of a 429 (queue full)",
+    )
+    option(serve, "--max-backlog", type=int, help="429 beyond this many jobs in a model's lane")
+    option(serve, "--log-level", default="warning", help="uvicorn's log level")
+    serve.set_defaults(run=cmd_serve)
+
+
+def _not_installed(missing: str | None) -> int:
+    print(f"tokenq serve: {missing} is not installed: pip install 'tokenq[serve]'", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenq.producer.gateway import GatewayConfig, serve
+
+    config = GatewayConfig(
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        max_body_bytes=args.max_body,
+        request_timeout=args.request_timeout,
+        cancel_grace=args.cancel_grace,
+        retry_after=args.retry_after,
+        max_backlog=args.max_backlog,
+    )
+    serve(config, args.host, args.port, args.log_level)
+    return 0
 
 
 def redacted(url: str) -> str:
