@@ -1,5 +1,5 @@
-"""The gateway's operator endpoints (producer/dashboard.py), mounted in a FastAPI app served
-by uvicorn: /metrics scraped and parsed with prometheus_client's parser, and /dashboard
+"""The gateway's operator endpoints (producer/dashboard.py), in the gateway's app served by
+uvicorn: /metrics scraped and parsed with prometheus_client's parser, and /dashboard
 loaded in a real headless Chromium (Debian's `chromium` and `chromium-driver`, driven by
 selenium) while a real worker process runs jobs."""
 
@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import uvicorn
 from fastapi import FastAPI
 
@@ -27,9 +26,10 @@ from tests.redis_fixtures import CLIENT
 from tests.test_ops import dead_letter, parse, total
 from tests.test_worker_support import tiny_model, wait_for  # noqa: F401
 from tokenq.producer.client import Client
-from tokenq.producer.dashboard import dashboard_router
+from tokenq.producer.dashboard import Rates
 from tokenq.producer.errors import JobFailed
-from tokenq.producer.fleet import FLEET_METRICS
+from tokenq.producer.fleet import FLEET_METRICS, Fleet, RegisteredWorker
+from tokenq.producer.gateway import GatewayConfig, create_app
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 APT = "apt-get update -qq && apt-get install -y -qq chromium chromium-driver"
@@ -62,10 +62,8 @@ class AppServer:
 
 
 def app_for(url: str, namespace: str) -> FastAPI:
-    app = FastAPI()
-    conn = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
-    app.include_router(dashboard_router(conn, namespace, stale_s=30))
-    return app
+    """The gateway's own app (`tokenq serve` serves the same)."""
+    return create_app(GatewayConfig(redis_url=url, namespace=namespace))
 
 
 def get(url: str) -> tuple[int, str, str]:
@@ -310,22 +308,18 @@ def test_the_dashboard_says_when_redis_does_not_answer(browser: Any) -> None:
 # --- rates from heartbeats, without Redis ---------------------------------------------------
 
 
-def beat(consumer: str, at: float, now: float, tokens: float, ttft: tuple[float, float]) -> Any:
-    from tokenq.producer.fleet import RegisteredWorker
-
+def beat(
+    consumer: str, at: float, now: float, tokens: float, ttft: tuple[float, float]
+) -> RegisteredWorker:
     figures = {"tokens_generated": tokens, "ttft_sum_s": ttft[0], "ttft_count": ttft[1]}
     return RegisteredWorker(consumer, now - at <= 30, at, now - at, ["tiny"], figures=figures)
 
 
-def fleet_at(now: float, *workers: Any) -> Any:
-    from tokenq.producer.fleet import Fleet
-
+def fleet_at(now: float, *workers: RegisteredWorker) -> Fleet:
     return Fleet("ns", now, [], list(workers), [], 0)
 
 
 def test_rates_come_from_the_counters_between_heartbeats() -> None:
-    from tokenq.producer.dashboard import Rates
-
     rates = Rates(history_s=600, sample_s=1, ttft_window_s=60)
     rates.observe(fleet_at(100, beat("a", 100, 100, 1000, (0, 0)), beat("b", 99, 100, 50, (0, 0))))
     assert rates.points[-1] == (100, 0, None)  # one heartbeat each: no rate yet
