@@ -181,6 +181,7 @@ class FleetReader:
         workers = self._workers(now)
         live = [w for w in workers if w.live]
         names = self._model_names() | {n for w in live for n in w.names}
+        self._names |= names  # a model stays listed when its last worker leaves
         queues = self._queues(sorted(names))
         lanes = self._lanes(sorted(names), queues, now)
         serving = {n: sorted(w.consumer for w in live if n in w.names) for n in names}

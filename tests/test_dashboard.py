@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -220,7 +221,9 @@ def test_the_dashboard_shows_the_fleet_moving(
     log = tmp_path / "worker.log"
     extra = ["--registry-interval", "0.3"]
     with (
-        WorkerProcess(tiny_model, redis_url, redis_namespace, log, consumer="w1", extra=extra),
+        WorkerProcess(
+            tiny_model, redis_url, redis_namespace, log, consumer="w1", extra=extra
+        ) as worker,
         AppServer(app_for(redis_url, redis_namespace)) as app,
     ):
         browser.get(app.url + "/dashboard")
@@ -283,15 +286,23 @@ def test_the_dashboard_shows_the_fleet_moving(
             lambda: number(text(browser, "total-ttft")) == pytest.approx(expected, abs=2e-3),
         )
         assert cell(browser, "lane-tiny-default", "depth") == "0"
-        (worker,) = data["workers"]
-        assert worker["ttft_s"] == data["totals"]["ttft_s"]
-        assert worker["running"] == 0
+        (row_data,) = data["workers"]
+        assert row_data["ttft_s"] == data["totals"]["ttft_s"]
+        assert row_data["running"] == 0
         points = data["history"]["points"]
         assert max(p[1] for p in points) > 0  # the chart has the run in it
         assert "L" in (
             browser.find_element("css selector", "#chart-tokens path").get_attribute("d")
         )
         assert cell(browser, "lane-other-batch", "depth") == "3"
+
+        # A worker that stops leaves the registry: the page drops it.
+        worker.proc.send_signal(signal.SIGTERM)
+        worker.wait_clean_exit(60)
+        wait(browser, "no worker", lambda: text(browser, "live-workers") == "0")
+        assert browser.find_elements("id", "worker-w1") == []
+        assert text(browser, "total-tokens-per-s") == "0.0"
+        assert cell(browser, "lane-tiny-default", "workers") == "none live"
     assert not [j for j in nobody if j.status() != "queued"]
     client.close()
 
