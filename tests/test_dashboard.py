@@ -176,13 +176,24 @@ def text(driver: Any, element_id: str) -> str | None:
 
 
 def cell(driver: Any, row_id: str, column: str) -> str | None:
-    """The text of one cell (its class names the column) of the row with that id."""
-    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    """The text of one cell (its class names the column) of the row with that id, or None;
+    read in one script run (see `rows`)."""
+    script = (
+        "const row = document.getElementById(arguments[0]);"
+        " const cell = row && row.getElementsByClassName(arguments[1])[0];"
+        " return cell ? cell.textContent : null;"
+    )
+    return driver.execute_script(script, row_id, column)
 
-    try:
-        return driver.find_element("id", row_id).find_element("class name", column).text
-    except (NoSuchElementException, StaleElementReferenceException):
-        return None  # not there yet, or the table was redrawn between the two lookups
+
+def rows(driver: Any, table_id: str) -> list[list[str]]:
+    """The cells' text of a table's body, read in one script run (the page redraws its
+    tables every second: elements found one by one may be gone by the next lookup)."""
+    script = (
+        "return Array.from(document.getElementById(arguments[0]).tBodies[0].rows,"
+        " r => Array.from(r.cells, c => c.textContent))"
+    )
+    return driver.execute_script(script, table_id)
 
 
 def number(shown: str | None) -> float:
@@ -265,10 +276,9 @@ def test_the_dashboard_shows_the_fleet_moving(
         with pytest.raises(JobFailed, match="invalid_params"):
             bad.result(timeout=30)
         wait(browser, "the dead letter", lambda: text(browser, "dead-count") == "1")
-        (row,) = browser.find_elements("css selector", "#dead tbody tr")
-        assert row.find_element("class name", "job").text == bad.id
-        assert row.find_element("class name", "code").text == "invalid_params"
-        assert "'<b>bold</b>'" in row.find_element("class name", "message").text
+        ((job, code, message, failed),) = rows(browser, "dead")
+        assert (job, code) == (bad.id, "invalid_params")
+        assert "'<b>bold</b>'" in message and failed.endswith(" ago")
         assert browser.find_elements("css selector", "#dead b") == []
 
         # TTFT: once the worker's heartbeat has counted the seven jobs, the figure is
