@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from tokenq.producer.client import DEFAULT_REDIS_URL, AsyncClient, AsyncJob
+from tokenq.producer.dashboard import dashboard_router
 from tokenq.producer.errors import QueueFull, UnknownModel
 from tokenq.producer.openai_api import (
     BadRequest,
@@ -70,6 +71,7 @@ KEEP_RUNNING = "x-tokenq-keep-running"
 TIMEOUT_HEADER = "x-tokenq-timeout"
 JOB_HEADER = "X-Tokenq-Job-Id"
 EVENT_ID_RE = re.compile(r"\d{1,20}-\d{1,20}")
+FLEET_TIMEOUT_S = 5.0  # /metrics and /dashboard/data: Redis silent this long is an error
 TRUE = ("1", "true", "yes", "on")
 log = logging.getLogger("tokenq.gateway")
 
@@ -522,9 +524,15 @@ def openai_router() -> APIRouter:
 
 
 def create_app(config: GatewayConfig | None = None) -> FastAPI:
-    """The gateway's app: OpenAI's routes, and `app.state.client` (an AsyncClient),
-    `app.state.redis` (its connection) and `app.state.config` for routers added later."""
+    """The gateway's app: OpenAI's routes, the fleet's /metrics and the /dashboard page
+    (producer/dashboard.py), and `app.state.client` (an AsyncClient), `app.state.redis`
+    (its connection) and `app.state.config` for routers added later."""
     config = config or GatewayConfig()
+    # The fleet's readers are blocking (prometheus_client collects synchronously): their
+    # own connection, run in the thread pool, with timeouts so a scrape never hangs.
+    fleet = redis.Redis.from_url(
+        config.redis_url, socket_timeout=FLEET_TIMEOUT_S, socket_connect_timeout=FLEET_TIMEOUT_S
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -545,6 +553,7 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
             # Clients that left just before the shutdown still get their jobs cancelled.
             await asyncio.gather(*app.state.leaving, return_exceptions=True)
             await client.aclose()
+            fleet.close()
 
     app = FastAPI(title="tokenq", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
@@ -557,6 +566,7 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
         )
 
     app.include_router(openai_router())
+    app.include_router(dashboard_router(fleet, config.namespace))
     return app
 
 

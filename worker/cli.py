@@ -48,6 +48,11 @@ WORKER_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "grace_period_s": ("--grace-period", float, "seconds to drain on stop"),
     "reply_ttl_s": ("--reply-ttl", int, "reply stream TTL after the end"),
     "metrics_interval_s": ("--metrics-interval", float, "seconds between metrics publishes"),
+    "registry_interval_s": (
+        "--registry-interval",
+        float,
+        "seconds between registry heartbeats (they carry the load that /dashboard rates)",
+    ),
     "metrics_port": ("--metrics-port", int, "serve Prometheus /metrics on this port; 0: off"),
     "metrics_addr": ("--metrics-addr", str, "address the metrics server binds"),
 }
