@@ -37,6 +37,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from tokenq.producer.batch_api import BatchConfig, batch_router
 from tokenq.producer.client import DEFAULT_REDIS_URL, AsyncClient, AsyncJob
 from tokenq.producer.dashboard import dashboard_router
 from tokenq.producer.errors import QueueFull, UnknownModel
@@ -523,10 +524,11 @@ def openai_router() -> APIRouter:
     return router
 
 
-def create_app(config: GatewayConfig | None = None) -> FastAPI:
-    """The gateway's app: OpenAI's routes, the fleet's /metrics and the /dashboard page
-    (producer/dashboard.py), and `app.state.client` (an AsyncClient), `app.state.redis`
-    (its connection) and `app.state.config` for routers added later."""
+def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None = None) -> FastAPI:
+    """The gateway's app: OpenAI's routes, the Files and Batches API (producer/batch_api.py),
+    the fleet's /metrics and the /dashboard page (producer/dashboard.py), and
+    `app.state.client` (an AsyncClient), `app.state.redis` (its connection) and
+    `app.state.config` for routers added later."""
     config = config or GatewayConfig()
     # The fleet's readers are blocking (prometheus_client collects synchronously): their
     # own connection, run in the thread pool, with timeouts so a scrape never hangs.
@@ -567,10 +569,19 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
 
     app.include_router(openai_router())
     app.include_router(dashboard_router(fleet, config.namespace))
+    app.include_router(batch_router(batches))  # /v1/files, /v1/batches and their runner
     return app
 
 
-def serve(config: GatewayConfig, host: str, port: int, log_level: str = "warning") -> None:
+def serve(
+    config: GatewayConfig,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    batches: BatchConfig | None = None,
+) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(
+        create_app(config, batches), host=host, port=port, log_level=log_level, access_log=False
+    )

@@ -111,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     option(demo, "--max-tokens", type=int, default=48, help="tokens per answer")
     demo.set_defaults(run=run_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine, queue, gateway, fleet, kernels")
-    bench.add_argument("target", choices=("engine", "queue", "gateway", "fleet", "kernels"))
+    bench = sub.add_parser("bench", help="benchmarks: engine, queue, gateway, fleet, batch, ...")
+    bench.add_argument(
+        "target", choices=("engine", "queue", "gateway", "fleet", "batch", "kernels")
+    )
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(run=run_bench)
     return parser
@@ -178,6 +180,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from tokenq.kernels.bench import run_kernel_bench
 
         run_kernel_bench()
+    elif args.target == "batch":
+        from tokenq.worker.bench_batch import main as bench_batch
+
+        bench_batch(args.args)
     elif args.target == "fleet":
         from tokenq.worker.bench_fleet import main as bench_fleet
 
