@@ -17,6 +17,7 @@ import torch
 from tests.helpers import make_tiny_llama_dir
 from tests.teacher_forcing import agreement, engine_logits, hf_logits
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
+from tokenq.engine.bench import bench_dtypes
 from tokenq.engine.downloads import build_dir
 from tokenq.engine.hf_reference import build_hf_model
 from tokenq.engine.loader import load_checkpoint
@@ -174,3 +175,15 @@ def test_fp32_stays_exactly_transformers(tiny: Path) -> None:
     ref = hf_logits(build_hf_model(checkpoint.config, checkpoint.weights), seqs)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+def test_bench_rows_per_dtype() -> None:
+    """``tokenq bench engine --dtype``: auto is what this machine runs at full speed; bf16
+    asked for on a CPU without bf16 instructions runs, marked emulated."""
+    native = cpu_features.bf16_support().native
+    assert bench_dtypes("auto", CPU) == [("float32", "")] + ([("bfloat16", "")] if native else [])
+    emulated = "" if native else "no bf16 instructions: emulated"
+    assert bench_dtypes("float32, bfloat16", CPU) == [("float32", ""), ("bfloat16", emulated)]
+    assert bench_dtypes("auto", torch.device("cuda")) == [("bfloat16", "")]
+    with pytest.raises(ValueError, match="dtype must be"):
+        bench_dtypes("float32,bf16", CPU)
