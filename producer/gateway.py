@@ -12,10 +12,9 @@ nothing the workers are running.
   stream's id), else the event the gateway last sent for that key (the bookmark
   `ns:gw:sent:<id>`, written when a stream's client leaves).
 - A client that disconnects cancels its job, after `cancel_grace` seconds during which a
-  retry with the same key may attach instead (the SDKs retry a cut connection with the
-  same key), unless it sent `X-Tokenq-Keep-Running: 1`. `ns:gw:watchers:<id>` counts the
-  connections a job has beyond its first, so one leaving while another watches cancels
-  nothing.
+  retry with the same key may attach instead, unless it sent `X-Tokenq-Keep-Running: 1`.
+  `ns:gw:watchers:<id>` counts the connections a job has beyond its first, so one leaving
+  while another watches cancels nothing.
 - Errors come in OpenAI's shape with their HTTP status; `create_app` leaves room for more
   routers (`app.include_router`), which find the shared client in `app.state.client` and
   its Redis connection in `app.state.redis`.
@@ -25,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException
 
 from tokenq.producer.batch_api import BatchConfig, batch_router
 from tokenq.producer.client import DEFAULT_REDIS_URL, AsyncClient, AsyncJob
+from tokenq.producer.dashboard import dashboard_router
 from tokenq.producer.errors import QueueFull, UnknownModel
 from tokenq.producer.openai_api import (
     BadRequest,
@@ -71,7 +72,9 @@ KEEP_RUNNING = "x-tokenq-keep-running"
 TIMEOUT_HEADER = "x-tokenq-timeout"
 JOB_HEADER = "X-Tokenq-Job-Id"
 EVENT_ID_RE = re.compile(r"\d{1,20}-\d{1,20}")
+FLEET_TIMEOUT_S = 5.0  # /metrics and /dashboard/data: Redis silent this long is an error
 TRUE = ("1", "true", "yes", "on")
+log = logging.getLogger("tokenq.gateway")
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,12 @@ class Attachment:
         task.add_done_callback(tasks.discard)
 
     async def _leave(self) -> None:
+        try:
+            await self._bookmark_and_cancel()
+        except redis.RedisError as exc:  # the job then runs to its end: nothing is lost
+            log.warning("job %s: its client left, and Redis failed: %s", self.job.id, exc)
+
+    async def _bookmark_and_cancel(self) -> None:
         client: AsyncClient = self.app.state.client
         config: GatewayConfig = self.app.state.config
         watchers, sent = _watchers_key(client, self.job.id), _sent_key(client, self.job.id)
@@ -516,9 +525,16 @@ def openai_router() -> APIRouter:
 
 
 def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None = None) -> FastAPI:
-    """The gateway's app: OpenAI's routes, and `app.state.client` (an AsyncClient),
-    `app.state.redis` (its connection) and `app.state.config` for routers added later."""
+    """The gateway's app: OpenAI's routes, the Files and Batches API (producer/batch_api.py),
+    the fleet's /metrics and the /dashboard page (producer/dashboard.py), and
+    `app.state.client` (an AsyncClient), `app.state.redis` (its connection) and
+    `app.state.config` for routers added later."""
     config = config or GatewayConfig()
+    # The fleet's readers are blocking (prometheus_client collects synchronously): their
+    # own connection, run in the thread pool, with timeouts so a scrape never hangs.
+    fleet = redis.Redis.from_url(
+        config.redis_url, socket_timeout=FLEET_TIMEOUT_S, socket_connect_timeout=FLEET_TIMEOUT_S
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -539,6 +555,7 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
             # Clients that left just before the shutdown still get their jobs cancelled.
             await asyncio.gather(*app.state.leaving, return_exceptions=True)
             await client.aclose()
+            fleet.close()
 
     app = FastAPI(title="tokenq", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
@@ -551,6 +568,7 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
         )
 
     app.include_router(openai_router())
+    app.include_router(dashboard_router(fleet, config.namespace))
     app.include_router(batch_router(batches))  # /v1/files, /v1/batches and their runner
     return app
 
