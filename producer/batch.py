@@ -19,7 +19,8 @@ The batch id defaults to the SHA-256 of the input's bytes, so the same file resu
 edited file is a new batch; `--batch-id` names it explicitly (to keep results after an
 edit). Each job carries its line number in its metadata: a duplicate custom_id shares the
 first line's job, and the line number in its answer tells the two apart with no table of
-custom_ids held in memory.
+custom_ids held in memory. (So a `--batch-id` kept across an edit that moves lines reports
+a job the earlier run queued and never wrote as a duplicate: edit, then resume, with care.)
 
 OpenAI body <-> tokenq job conversion is the gateway's (`producer/openai_api.py`); this
 module imports no torch.
