@@ -101,7 +101,7 @@ def worker_successes(conn: redis.Redis, ns: str) -> int:
     return total
 
 
-def test_a_gateway_killed_mid_batch_is_taken_over_and_nothing_runs_twice(
+def test_a_gateway_killed_mid_batch_is_taken_over_by_one_and_nothing_runs_twice(
     worker: WorkerProcess, redis_url: str, namespace: str, tmp_path: Path
 ) -> None:
     # First in the file, before the module's gateway starts: the batch must be the dead
@@ -128,14 +128,17 @@ def test_a_gateway_killed_mid_batch_is_taken_over_and_nothing_runs_twice(
         first.proc.wait(timeout=10)
     stalled = conn.hgetall(f"{namespace}:batch:{batch.id}")
     assert stalled[b"status"] == b"in_progress" and int(stalled[b"completed"]) < 300
-    # A second gateway takes the batch over once the dead one's lock has expired.
+    # Two more gateways race for the batch once the dead one's lock has expired: one takes
+    # it (had both run it, answers would be written twice).
     second = GatewayProcess(redis_url, namespace, tmp_path / "b.log", "--batch-poll", POLL)
+    third = GatewayProcess(redis_url, namespace, tmp_path / "c.log", "--batch-poll", POLL)
     try:
         sdk = second.sdk()
         done = wait_status(sdk, batch.id, "completed", timeout=120)
-        answers = lines_of(sdk, done.output_file_id)
+        answers = lines_of(third.sdk(), done.output_file_id)
     finally:
         second.close()
+        third.close()
     assert (done.request_counts.completed, done.request_counts.failed) == (300, 0)
     assert Counter(a["custom_id"] for a in answers) == Counter(f"c{i}" for i in range(300))
     try:
