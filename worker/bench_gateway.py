@@ -246,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
         f"gateway/Client throughput {through.tokens_per_s / direct.tokens_per_s:.3f}; "
         f"TTFT difference p50 {_added(direct, through, 50)}, p99 {_added(direct, through, 99)}"
     )
+    spread = " ".join(
+        f"{d.tokens_per_s:.1f}/{g.tokens_per_s:.1f}"
+        for d, g in zip(direct_runs, gateway_runs, strict=True)
+    )
+    print(f"every run, Client/gateway tok/s: {spread}")
     # Latency: the run with the lowest median, each side.
     direct = min(direct_alone, key=lambda r: percentile(r.ttft, 50))
     through = min(gateway_alone, key=lambda r: percentile(r.ttft, 50))
