@@ -24,6 +24,7 @@ import redis
 
 from tests.faults import WorkerProcess, free_port
 from tests.helpers import make_tiny_llama_dir
+from tests.test_packaging import NO_TORCH
 from tokenq.producer import Client
 
 MODEL = "tiny"
@@ -575,3 +576,13 @@ def test_serve_without_fastapi_says_what_to_install(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "pip install 'tokenq[serve]'" in out.stderr
+
+
+def test_the_gateway_needs_no_torch() -> None:
+    script = NO_TORCH + (
+        "from tokenq.producer.gateway import GatewayConfig, create_app\n"
+        "app = create_app(GatewayConfig())\n"
+        "assert not [m for m in sys.modules if m.startswith(('torch', 'tokenq.engine'))]\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

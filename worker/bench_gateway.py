@@ -145,6 +145,7 @@ def start_gateway(url: str, namespace: str, port: int, log: Path) -> subprocess.
     cmd = [
         sys.executable, "-m", "tokenq.cli", "serve", "--redis-url", url,
         "--namespace", namespace, "--port", str(port),
+        "--request-timeout", "86400",  # a slow machine's run is slow, not late
     ]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
