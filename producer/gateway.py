@@ -18,6 +18,9 @@ nothing the workers are running.
 - Errors come in OpenAI's shape with their HTTP status; `create_app` leaves room for more
   routers (`app.include_router`), which find the shared client in `app.state.client` and
   its Redis connection in `app.state.redis`.
+- Operators get the fleet's Prometheus gauges at `/metrics` and a live page at
+  `/dashboard` (producer/dashboard.py), read from Redis on a blocking connection of their
+  own (prometheus_client collects synchronously) in the thread pool.
 """
 
 from __future__ import annotations
