@@ -19,7 +19,8 @@ The batch id defaults to the SHA-256 of the input's bytes, so the same file resu
 edited file is a new batch; `--batch-id` names it explicitly (to keep results after an
 edit). Each job carries its line number in its metadata: a duplicate custom_id shares the
 first line's job, and the line number in its answer tells the two apart with no table of
-custom_ids held in memory.
+custom_ids held in memory. (So a `--batch-id` kept across an edit that moves lines reports
+a job the earlier run queued and never wrote as a duplicate: edit, then resume, with care.)
 
 OpenAI body <-> tokenq job conversion is the gateway's (`producer/openai_api.py`); this
 module imports no torch.
@@ -31,6 +32,7 @@ import bisect
 import concurrent.futures
 import dataclasses
 import hashlib
+import heapq
 import json
 import re
 import threading
@@ -155,12 +157,29 @@ def _key(custom_id: str | None, line: int | None) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
+SORT_RUN = 1 << 16  # keys sorted at a time: a Python list of them is ~40 bytes per key
+
+
+def _sorted_array(keys: Iterable[int]) -> array[int]:
+    """The keys in a sorted array, without ever holding them all as Python ints (a
+    million of those would take 40 MB for a moment): sorted runs, merged."""
+    runs: list[array[int]] = []
+    run = array("Q")
+    for key in keys:
+        run.append(key)
+        if len(run) >= SORT_RUN:
+            runs.append(array("Q", sorted(run)))
+            run = array("Q")
+    runs.append(array("Q", sorted(run)))
+    return runs[0] if len(runs) == 1 else array("Q", heapq.merge(*runs))
+
+
 class DoneSet:
     """What earlier runs answered, read from the output and errors files: a sorted array of
     64-bit digests (8 bytes per line, against about 100 for a Python set of strings)."""
 
     def __init__(self, keys: Iterable[int] = ()) -> None:
-        self.keys = array("Q", sorted(keys))
+        self.keys = _sorted_array(keys)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -213,8 +232,10 @@ def done_from(sources: Iterable[tuple[str, Iterable[bytes]]], batch_id: str) -> 
     """The lines answered in these (name, lines) of output and errors. A record from
     another batch means the results belong to another input: refuse rather than mix two
     batches."""
-    prefix = f"batch-{batch_id}"
-    keys = array("Q")
+    return DoneSet(_answered_keys(sources, f"batch-{batch_id}"))
+
+
+def _answered_keys(sources: Iterable[tuple[str, Iterable[bytes]]], prefix: str) -> Iterator[int]:
     for name, lines in sources:
         for number, raw in enumerate(lines, 1):
             try:
@@ -231,8 +252,7 @@ def done_from(sources: Iterable[tuple[str, Iterable[bytes]]], batch_id: str) -> 
                     f"batch's ids start {prefix}-): the input changed? Write to another "
                     "file, or pass that batch's --batch-id"
                 )
-            keys.append(_key(custom_id, error.get("line")))
-    return DoneSet(keys)
+            yield _key(custom_id, error.get("line"))
 
 
 @dataclass
@@ -353,7 +373,9 @@ class BatchRun:
         self.counts = Counts()
         self.on_answer = on_answer
         self.lock = threading.Lock()
-        threads = -(-max_outstanding // self.chunk) + 1
+        # Chunks are submitted short when permits run out: room for more of them than
+        # max_outstanding / CHUNK (a chunk holds its thread until its last answer).
+        threads = max(2, max_outstanding // 8)
         self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="batch")
         self.futures: set[concurrent.futures.Future[None]] = set()
         self.stopped = threading.Event()
@@ -383,8 +405,14 @@ class BatchRun:
             pending = self._convert(item)
             if pending is None:
                 continue
-            if not self._acquire():
-                break
+            if not self.permits.acquire(blocking=False):
+                # Out of permits: queue what is gathered before waiting, so the workers
+                # never idle while a chunk fills up.
+                if batch:
+                    self._submit(batch)
+                    batch = []
+                if not self._acquire():
+                    break
             batch.append(pending)
             if len(batch) >= self.chunk:
                 self._submit(batch)

@@ -375,7 +375,8 @@ class BatchRunner:
             done = await asyncio.to_thread(self._done, conn, batch_id, h)
             work = asyncio.create_task(asyncio.to_thread(run.run, input_lines(content), done))
             outcome = await self._watch(batch_id, h, run, work)
-        finally:
+        finally:  # also when the gateway stops: its jobs go on, the next runner follows
+            run.stop()
             run.close()
             await asyncio.to_thread(client.close)
             conn.close()
@@ -406,7 +407,6 @@ class BatchRunner:
         end of its window stops it (cancelling the running jobs), a lost lock too (leaving
         them to the runner that took it)."""
         key, lock = self.keys.batch(batch_id), self.keys.lock(batch_id)
-        expires_at = int(h[b"expires_at"])
         outcome = IN_PROGRESS
         ttl = int(self.config.lock_ttl_s * 1000)
         while not work.done():
@@ -415,11 +415,11 @@ class BatchRunner:
                 run.stop()
                 outcome = "lost"
             elif outcome == IN_PROGRESS:
-                status = _text(await self.redis.hget(key, "status"))
-                if status == CANCELLING:
+                status, expires_at = await self.redis.hmget(key, "status", "expires_at")
+                if status == CANCELLING.encode():
                     run.stop(cancel=True)
                     outcome = CANCELLING
-                elif time.time() > expires_at:
+                elif time.time() > int(expires_at):
                     run.stop(cancel=True)
                     outcome = EXPIRED
         await work  # a failure of the run itself: raised, the lock released, tried again
@@ -551,7 +551,7 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
             fields["metadata"] = json.dumps(metadata)
         async with conn.pipeline(transaction=True) as pipe:
             pipe.hset(keys.batch(batch_id), mapping=fields)
-            pipe.zadd(keys.batches, {batch_id: now})
+            pipe.zadd(keys.batches, {batch_id: time.time()})  # finer than created_at
             pipe.sadd(keys.active, batch_id)
             await pipe.execute()
         request.app.state.batch_runner.wake.set()

@@ -1,6 +1,6 @@
-"""The client's share of the `tokenq` command (`submit`, `models`, `celery`, and the
-operator's commands of ``tokenq.producer.ops``: `inspect`, `result`, `cancel`, `dlq`,
-`exporter`), and the option helpers every command uses.
+"""The client's share of the `tokenq` command (`submit`, `models`, `celery`, `batch run`,
+`serve`, and the operator's commands of ``tokenq.producer.ops``: `inspect`, `result`,
+`cancel`, `dlq`, `exporter`), and the option helpers every command uses.
 
 Every option also reads an environment variable (``--max-num-seqs`` <- ``TOKENQ_MAX_NUM_SEQS``)
 so containers are configured without a command line. Nothing here needs torch; the worker's
@@ -8,7 +8,8 @@ commands live in ``tokenq.worker.cli`` and ``tokenq.cli`` dispatches between the
 
 Exit statuses: 0 done; 1 the job failed (its error printed); 2 usage, a bad request, an
 unknown id, or Redis unreachable (one line naming the URL); 3 QueueFull; 4 no result within
---timeout (or, for `result`, the job has not ended); 130 interrupted.
+--timeout (or, for `result`, the job has not ended); 130 interrupted. `batch run`: 1 when
+some lines failed (their answers in the errors file).
 """
 
 from __future__ import annotations
@@ -172,7 +173,10 @@ def cmd_batch_run(args: argparse.Namespace) -> int:
 
         from tokenq.producer import batch
     except ImportError as exc:
-        print(f"tokenq batch: {exc.name} is not installed: pip install 'tokenq[batch]'")
+        print(
+            f"tokenq batch: {exc.name} is not installed: pip install 'tokenq[batch]'",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     errors = args.errors or args.output.with_name(args.output.name + ".errors")
     if not args.input.is_file():

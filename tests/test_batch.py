@@ -20,6 +20,7 @@ import redis
 
 from tests.faults import WorkerProcess
 from tests.test_worker_support import tiny_model, wait_for  # noqa: F401
+from tokenq.producer import batch
 from tokenq.producer.batch import DoneSet, job_id_for, load_done, repair, scan_input
 from tokenq.producer.client import Client
 from tokenq.producer.protocol import Keys
@@ -256,7 +257,9 @@ def test_results_of_another_batch_are_refused(
     assert "Traceback" not in refused.stderr
 
 
-def test_a_torn_last_line_is_cut_and_the_done_set_is_compact(tmp_path: Path) -> None:
+def test_a_torn_last_line_is_cut_and_the_done_set_is_compact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out.jsonl"
     whole = [{"custom_id": f"c{i}", "response": None, "error": None} for i in range(3)]
     out.write_text("".join(json.dumps(r) + "\n" for r in whole) + '{"custom_id": "c3", "resp')
@@ -266,3 +269,9 @@ def test_a_torn_last_line_is_cut_and_the_done_set_is_compact(tmp_path: Path) -> 
     assert isinstance(done, DoneSet) and len(done) == 3
     assert done.answered("c2") and not done.answered("c3")
     assert done.keys.itemsize == 8  # 8 bytes per answered line
+
+    # Built from sorted runs merged: with runs of 4 keys, 50 keys make 13 of them.
+    monkeypatch.setattr(batch, "SORT_RUN", 4)
+    many = DoneSet(batch._key(f"id-{i}", None) for i in range(50))
+    assert list(many.keys) == sorted(many.keys) and len(many) == 50
+    assert all(many.answered(f"id-{i}") for i in range(50)) and not many.answered("id-50")

@@ -101,7 +101,7 @@ def worker_successes(conn: redis.Redis, ns: str) -> int:
     return total
 
 
-def test_a_gateway_killed_mid_batch_is_taken_over_and_nothing_runs_twice(
+def test_a_gateway_killed_mid_batch_is_taken_over_by_one_and_nothing_runs_twice(
     worker: WorkerProcess, redis_url: str, namespace: str, tmp_path: Path
 ) -> None:
     # First in the file, before the module's gateway starts: the batch must be the dead
@@ -128,14 +128,17 @@ def test_a_gateway_killed_mid_batch_is_taken_over_and_nothing_runs_twice(
         first.proc.wait(timeout=10)
     stalled = conn.hgetall(f"{namespace}:batch:{batch.id}")
     assert stalled[b"status"] == b"in_progress" and int(stalled[b"completed"]) < 300
-    # A second gateway takes the batch over once the dead one's lock has expired.
+    # Two more gateways race for the batch once the dead one's lock has expired: one takes
+    # it (had both run it, answers would be written twice).
     second = GatewayProcess(redis_url, namespace, tmp_path / "b.log", "--batch-poll", POLL)
+    third = GatewayProcess(redis_url, namespace, tmp_path / "c.log", "--batch-poll", POLL)
     try:
         sdk = second.sdk()
         done = wait_status(sdk, batch.id, "completed", timeout=120)
-        answers = lines_of(sdk, done.output_file_id)
+        answers = lines_of(third.sdk(), done.output_file_id)
     finally:
         second.close()
+        third.close()
     assert (done.request_counts.completed, done.request_counts.failed) == (300, 0)
     assert Counter(a["custom_id"] for a in answers) == Counter(f"c{i}" for i in range(300))
     try:
@@ -254,3 +257,47 @@ def _completed_batch(sdk: openai.OpenAI) -> str:
         completion_window="24h",
     )
     return wait_status(sdk, batch.id, "completed").id
+
+
+def test_a_batch_past_its_window_expires_and_keeps_what_was_answered(
+    gateway: GatewayProcess, redis_url: str, namespace: str
+) -> None:
+    sdk = gateway.sdk()
+    long = {"max_tokens": 1500, "ignore_eos": True}
+    content = jsonl([line(i) for i in range(2)] + [line(i, **long) for i in range(2, 60)])
+    batch = sdk.batches.create(
+        input_file_id=upload(sdk, content), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.expires_at == batch.created_at + 24 * 3600
+    deadline = time.monotonic() + 60
+    while sdk.batches.retrieve(batch.id).request_counts.completed < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    conn = redis.Redis.from_url(redis_url)
+    try:  # 24 hours pass
+        conn.hset(f"{namespace}:batch:{batch.id}", "expires_at", int(time.time()) - 1)
+    finally:
+        conn.close()
+    expired = wait_status(sdk, batch.id, "expired", timeout=30)
+    assert expired.expired_at and 2 <= expired.request_counts.completed < 60
+    assert len(lines_of(sdk, expired.output_file_id)) == expired.request_counts.completed
+
+
+def test_batches_are_listed_newest_first_a_page_at_a_time(gateway: GatewayProcess) -> None:
+    sdk = gateway.sdk()
+    ids = [
+        sdk.batches.create(
+            input_file_id=upload(sdk, jsonl([line(i)])),
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        ).id
+        for i in range(3)
+    ]
+    first = sdk.batches.list(limit=2)
+    assert first.has_more and len(first.data) == 2
+    listed = [b.id for b in sdk.batches.list(limit=2)]  # the SDK follows `after` page by page
+    assert listed[:3] == ids[::-1] and len(listed) == len(set(listed))
+    with pytest.raises(openai.NotFoundError):
+        sdk.batches.retrieve("batch_missing")
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.content("file_missing")
