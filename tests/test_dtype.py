@@ -61,7 +61,7 @@ def test_auto_follows_this_cpu_and_dtype_overrides() -> None:
     dtype, why = EngineConfig(dtype="auto").dtype_choice(CPU)
     assert dtype == (torch.bfloat16 if native else torch.float32)
     assert why.startswith("auto: ") and ("bf16" in why)
-    assert EngineConfig(dtype="float32").dtype_choice(CPU) == (torch.float32, "--dtype given")
+    assert EngineConfig(dtype="float32").dtype_choice(CPU) == (torch.float32, "dtype given")
     assert EngineConfig(dtype="bfloat16").resolved_dtype(CPU) == torch.bfloat16
     assert EngineConfig(dtype="auto").resolved_dtype(torch.device("cuda")) == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be auto or one of"):
