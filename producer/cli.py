@@ -20,6 +20,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -39,6 +40,8 @@ from tokenq.producer.protocol import (
 
 EXIT_JOB_FAILED, EXIT_USAGE, EXIT_QUEUE_FULL, EXIT_TIMEOUT = 1, 2, 3, 4
 EXIT_NO_REDIS = EXIT_USAGE
+# Enough queued jobs to keep a fleet's engines full, few enough to hold in memory.
+BATCH_MAX_OUTSTANDING = 512
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 
@@ -121,9 +124,216 @@ def add_commands(sub: Any) -> None:
     flag_option(models, "--json", "print JSON")
     models.set_defaults(run=cmd_models)
     celery_bridge.add_parser(sub)
+    _add_batch(sub)
+    add_serve(sub)
     from tokenq.producer import ops  # ops uses this module's helpers: import it once they exist
 
     ops.add_commands(sub)
+
+
+def _add_batch(sub: Any) -> None:
+    batch = sub.add_parser("batch", help="OpenAI batch files: run one through the queue")
+    actions = batch.add_subparsers(dest="action", required=True)
+    run = actions.add_parser(
+        "run",
+        help="submit every line of an OpenAI batch file, write the answers; rerun to resume",
+    )
+    common_options(run)
+    run.add_argument("input", type=Path, help="requests, one OpenAI batch line each (JSONL)")
+    run.add_argument("output", type=Path, help="answers, appended (OpenAI batch output lines)")
+    option(run, "--errors", type=Path, help="failed lines (default: OUTPUT's name + .errors)")
+    option(run, "--model", help="run every line on this model, whatever its body names")
+    option(
+        run,
+        "--max-outstanding",
+        type=int,
+        default=BATCH_MAX_OUTSTANDING,
+        help="jobs queued and not yet written at most",
+    )
+    option(run, "--batch-id", help="the batch's name (default: from the input's bytes)")
+    flag_option(run, "--queue-anyway", "queue even if no live worker serves a line's model")
+    flag_option(run, "--no-progress", "no progress bar")
+    option(
+        run,
+        "--retry-for",
+        type=float,
+        default=ClientConfig.retry_for,
+        help="seconds to ride out an unreachable Redis",
+    )
+    run.set_defaults(run=cmd_batch_run)
+
+
+def cmd_batch_run(args: argparse.Namespace) -> int:
+    """Exit 0: every line answered with a result; 1: finished, some lines failed (see the
+    errors file); 2: the batch cannot run; 130: interrupted (the same command resumes)."""
+    # Imported here: the conversion comes with the gateway's module, and tqdm is an extra.
+    try:
+        from tqdm import tqdm
+
+        from tokenq.producer import batch
+    except ImportError as exc:
+        print(f"tokenq batch: {exc.name} is not installed: pip install 'tokenq[batch]'")
+        return EXIT_USAGE
+    errors = args.errors or args.output.with_name(args.output.name + ".errors")
+    if not args.input.is_file():
+        print(f"tokenq batch: no input file {args.input}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.max_outstanding < 1:
+        print("tokenq batch: --max-outstanding must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    content_id, total = batch.scan_input(args.input)
+    batch_id = args.batch_id or content_id
+    if not batch.BATCH_ID_RE.fullmatch(batch_id):
+        print(f"tokenq batch: --batch-id must match {batch.BATCH_ID_RE.pattern}", file=sys.stderr)
+        return EXIT_USAGE
+    bar = tqdm(total=total, unit="req", disable=args.no_progress, dynamic_ncols=True)
+
+    def on_answer(counts: Any) -> None:  # called under the run's lock: one at a time
+        rate = f"{counts.tokens_per_s():.0f}"
+        bar.set_postfix(ok=counts.succeeded, failed=counts.failed, tok_s=rate, refresh=False)
+        bar.update(counts.answered - bar.n)
+
+    client = Client(args.redis_url, namespace=args.namespace, retry_for=args.retry_for)
+    files = None
+    run = None
+    try:
+        done = batch.load_done([args.output, errors], batch_id)
+        files = batch.ResultFiles(args.output, errors)
+        run = batch.BatchRun(
+            client,
+            files,
+            batch_id,
+            model=args.model,
+            max_outstanding=args.max_outstanding,
+            queue_anyway=args.queue_anyway,
+            on_answer=on_answer,
+        )
+        run.counts.total = total
+        counts = run.run(batch.read_lines(args.input), done)
+    except batch.BatchError as exc:
+        print(f"tokenq batch: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except redis.ConnectionError as exc:
+        print(
+            f"tokenq batch: cannot reach Redis at {redacted(args.redis_url)}: {exc}",
+            file=sys.stderr,
+        )
+        return EXIT_NO_REDIS
+    except KeyboardInterrupt:
+        bar.close()
+        print("tokenq batch: interrupted; run the same command to resume", file=sys.stderr)
+        return 130
+    finally:
+        bar.close()
+        if run is not None:
+            run.close()
+        client.close()
+        if files is not None:
+            files.close()
+    print(
+        f"batch {batch_id}: {counts.total} lines: {counts.succeeded} done, "
+        f"{counts.failed} failed, {counts.already} answered before; "
+        f"{counts.tokens} tokens at {counts.tokens_per_s():.1f} tokens/s; "
+        f"results in {args.output}, errors in {errors}",
+        file=sys.stderr,
+    )
+    return EXIT_JOB_FAILED if counts.failed else 0
+
+
+def add_serve(sub: Any) -> None:
+    """`tokenq serve`, the OpenAI API gateway (producer/gateway.py). Without tokenq[serve]
+    the command is still listed, and says what to install."""
+    help = "the OpenAI API over the queue (needs tokenq[serve])"
+    try:
+        from tokenq.producer.batch_api import BatchConfig
+        from tokenq.producer.gateway import GatewayConfig
+    except ImportError as exc:
+        missing = exc.name
+        serve = sub.add_parser("serve", help=help, add_help=False)
+        serve.add_argument("args", nargs=argparse.REMAINDER)
+        serve.set_defaults(run=lambda _: _not_installed(missing))
+        return
+    serve = sub.add_parser("serve", help=help)
+    common_options(serve)
+    option(serve, "--host", default="127.0.0.1", help="address to listen on")
+    option(serve, "--port", type=int, default=8000, help="port to listen on")
+    option(
+        serve,
+        "--max-body",
+        type=parse_size,
+        default=GatewayConfig.max_body_bytes,
+        help="request bodies over this many bytes get 413",
+    )
+    option(
+        serve,
+        "--request-timeout",
+        type=float,
+        default=GatewayConfig.request_timeout,
+        help="seconds: a job's deadline (the X-Tokenq-Timeout header may shorten it); 504",
+    )
+    option(
+        serve,
+        "--cancel-grace",
+        type=float,
+        default=GatewayConfig.cancel_grace,
+        help="seconds a job whose client left waits for a retry before it is cancelled",
+    )
+    option(
+        serve,
+        "--retry-after",
+        type=int,
+        default=GatewayConfig.retry_after,
+        help="seconds, in the Retry-After of a 429 (queue full)",
+    )
+    option(serve, "--max-backlog", type=int, help="429 beyond this many jobs in a model's lane")
+    option(
+        serve,
+        "--max-file",
+        type=parse_size,
+        default=BatchConfig.max_file_bytes,
+        help="batch input files over this many bytes get 413",
+    )
+    option(
+        serve,
+        "--batch-lock-ttl",
+        type=float,
+        default=BatchConfig.lock_ttl_s,
+        help="seconds after which a dead gateway's batches are taken over",
+    )
+    option(
+        serve,
+        "--batch-poll",
+        type=float,
+        default=BatchConfig.poll_s,
+        help="seconds between the batch runner's looks at Redis",
+    )
+    option(serve, "--log-level", default="warning", help="uvicorn's log level")
+    serve.set_defaults(run=cmd_serve)
+
+
+def _not_installed(missing: str | None) -> int:
+    print(f"tokenq serve: {missing} is not installed: pip install 'tokenq[serve]'", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenq.producer.batch_api import BatchConfig
+    from tokenq.producer.gateway import GatewayConfig, serve
+
+    config = GatewayConfig(
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        max_body_bytes=args.max_body,
+        request_timeout=args.request_timeout,
+        cancel_grace=args.cancel_grace,
+        retry_after=args.retry_after,
+        max_backlog=args.max_backlog,
+    )
+    batches = BatchConfig(
+        max_file_bytes=args.max_file, poll_s=args.batch_poll, lock_ttl_s=args.batch_lock_ttl
+    )
+    serve(config, args.host, args.port, args.log_level, batches)
+    return 0
 
 
 def redacted(url: str) -> str:

@@ -17,6 +17,7 @@ import multiprocessing
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,9 +63,16 @@ def run_direct(engine: Any, prompts: list[list[int]], params: dict[str, Any]) ->
 
 
 def run_queue(
-    engine: Any, conn: Any, namespace: str, prompts: list[list[int]], params: dict[str, Any]
+    engine: Any,
+    conn: Any,
+    namespace: str,
+    prompts: list[list[int]],
+    params: dict[str, Any],
+    client_process: Callable[..., None] | None = None,
 ) -> RunResult:
-    """The worker runs in the main thread, as `tokenq worker` does; the client beside it."""
+    """The worker runs in the main thread, as `tokenq worker` does; the client beside it.
+    `client_process(url, namespace, prompts, params, results)` is the client's side when
+    not tokenq's own Client (`tokenq bench gateway` puts the OpenAI SDK there)."""
     from tokenq.worker.loop import Worker
 
     config = WorkerConfig(namespace=namespace, block_ms=5, served_names=(BENCH_NAME,))
@@ -87,7 +95,8 @@ def run_queue(
     else:
         ctx = multiprocessing.get_context("spawn")
         results = ctx.SimpleQueue()
-        proc = ctx.Process(target=_client_process, args=(url, namespace, prompts, params, results))
+        target = client_process or _client_process
+        proc = ctx.Process(target=target, args=(url, namespace, prompts, params, results))
         proc.start()
 
         def client_side() -> None:
