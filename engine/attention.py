@@ -30,14 +30,14 @@ class AttentionMetadata:
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     """``auto``: Triton on CUDA; on the CPU the C kernels where they can be built (float32
-    only), else torch."""
+    and bfloat16), else torch."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
     if name != "auto":
         return name
     if device.type == "cuda":
         return "triton"
-    return "cpu" if dtype == torch.float32 and cpu_ops.available(build_dir()) else "torch"
+    return "cpu" if dtype in cpu_ops.SUFFIXES and cpu_ops.available(build_dir()) else "torch"
 
 
 class AttentionBackend:
@@ -47,6 +47,8 @@ class AttentionBackend:
         self.name = resolve_backend(name, device, dtype)
         if self.name == "cpu" and not cpu_ops.available(build_dir()):
             raise RuntimeError("attention backend 'cpu' needs the C kernels, which did not build")
+        if self.name == "cpu" and dtype not in cpu_ops.SUFFIXES:
+            raise ValueError(f"attention backend 'cpu' runs float32 or bfloat16, not {dtype}")
         self._triton = None
         if self.name == "triton":
             from tokenq.kernels.kv_write import write_kv_triton

@@ -3,7 +3,8 @@
 Both sides get the same model, dtype, device and requests. Transformers runs static batches
 (left-padded; a batch runs until its longest request is done), which is how it is used for
 offline batch work; the engine gets every request at once and batches continuously.
-Generated tokens per second counts only the tokens each request asked for.
+Generated tokens per second counts only the tokens each request asked for. Each dtype the
+machine supports gets its rows (``--dtype``), one after the other in the same process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tokenq.engine.downloads import DEFAULT_MODEL
 from tokenq.engine.hf_reference import build_hf_model, greedy_config, require_transformers
 from tokenq.engine.llm import LLM
 from tokenq.engine.sampling_params import SamplingParams
+from tokenq.kernels.cpu_features import bf16_support
 
 
 @dataclass
@@ -82,17 +84,44 @@ def run_hf(model: torch.nn.Module, wl: Workload, batch_size: int, device: torch.
     return time.perf_counter() - start
 
 
+def bench_dtypes(spec: str, device: torch.device) -> list[tuple[str, str]]:
+    """The dtypes to run, each with a note for the table. ``auto``: every dtype this
+    machine runs at full speed (CUDA: bfloat16; a CPU: float32, and bfloat16 where it has
+    bf16 instructions); else a comma-separated list. bf16 on a CPU without bf16
+    instructions runs, emulated, and is marked so."""
+    if spec == "auto":
+        names = ["bfloat16"] if device.type == "cuda" else ["float32"]
+        if device.type == "cpu" and bf16_support().native:
+            names.append("bfloat16")
+    else:
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+    out = []
+    for name in names:
+        EngineConfig(dtype=name)  # a clear error for a name that is no dtype
+        emulated = device.type == "cpu" and name == "bfloat16" and not bf16_support().native
+        out.append((name, "no bf16 instructions: emulated" if emulated else ""))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="tokenq bench engine", description=__doc__)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--workloads", default="W1,W2", help="comma-separated: W1, W2")
     ap.add_argument("--scale", type=int, default=1, help="multiply request counts (GPU runs)")
+    ap.add_argument(
+        "--requests", type=int, default=None, help="requests per workload (W1 32, W2 64)"
+    )
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true", help="run the engine side only")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="comma-separated dtypes, one table row each; auto: those the machine runs at "
+        "full speed (a CPU: float32, and bfloat16 with AVX512_BF16 or AMX)",
+    )
     args = ap.parse_args(argv)
     if not args.no_hf:
         try:
@@ -111,39 +140,51 @@ def main(argv: list[str] | None = None) -> None:
         }.items()
         if v is not None
     }
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, **overrides)
-    eng = llm.engine
-    cfg: EngineConfig = eng.config
-    makers = {"W1": lambda: w1(32 * args.scale), "W2": lambda: w2(64 * args.scale)}
+    device = EngineConfig(device=args.device).resolved_device()
+    try:
+        dtypes = bench_dtypes(args.dtype, device)
+    except ValueError as exc:
+        ap.error(str(exc))
+    makers = {
+        "W1": lambda: w1((args.requests or 32) * args.scale),
+        "W2": lambda: w2((args.requests or 64) * args.scale),
+    }
     workloads = [makers[w.strip().upper()]() for w in args.workloads.split(",")]
-    hf = None
-    if not args.no_hf:
-        from tokenq.engine.loader import load_checkpoint, resolve_model
+    header = f"{'dtype':<10}{'workload':<22}{'tokens':>8}{'engine tok/s':>14}"
+    print(header + f"{'HF tok/s':>10}{'ratio':>8}")
+    for dtype, note in dtypes:
+        llm = LLM(args.model, device=args.device, dtype=dtype, **overrides)
+        eng = llm.engine
+        cfg: EngineConfig = eng.config
+        hf = None
+        if not args.no_hf:
+            from tokenq.engine.loader import load_checkpoint, resolve_model
 
-        checkpoint = load_checkpoint(resolve_model(args.model), eng.dtype)
-        hf = build_hf_model(checkpoint.config, checkpoint.weights, eng.dtype).to(eng.device)
-
-    device_name = (
-        torch.cuda.get_device_name(eng.device)
-        if eng.device.type == "cuda"
-        else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
-    )
-    print(f"machine: {device_name}; torch {torch.__version__}; dtype {eng.dtype}")
-    print(
-        f"engine: max_num_seqs={cfg.max_num_seqs} "
-        f"max_num_batched_tokens={cfg.max_num_batched_tokens} block_size={cfg.block_size} "
-        f"kv_blocks={eng.block_manager.num_blocks} attention={eng.backend.name}"
-    )
-    header = f"{'workload':<22}{'tokens':>8}{'engine tok/s':>14}{'HF tok/s':>10}{'ratio':>8}"
-    print(header)
-    for wl in workloads:
-        eng_s = run_engine(llm, wl)
-        eng_tps = wl.useful_tokens / eng_s
-        line = f"{wl.name:<22}{wl.useful_tokens:>8}{eng_tps:>14.1f}"
-        if hf is not None:
-            hf_tps = wl.useful_tokens / run_hf(hf, wl, args.hf_batch_size, eng.device)
-            line += f"{hf_tps:>10.1f}{eng_tps / hf_tps:>7.2f}x"
-        print(line, flush=True)
+            checkpoint = load_checkpoint(resolve_model(args.model), eng.dtype)
+            hf = build_hf_model(checkpoint.config, checkpoint.weights, eng.dtype).to(eng.device)
+            del checkpoint
+        device_name = (
+            torch.cuda.get_device_name(eng.device)
+            if eng.device.type == "cuda"
+            else f"{platform.processor() or platform.machine()} CPU, "
+            f"{torch.get_num_threads()} threads"
+        )
+        print(
+            f"# {dtype}{f' ({note})' if note else ''}: {device_name}; torch {torch.__version__}; "
+            f"max_num_seqs={cfg.max_num_seqs} max_num_batched_tokens="
+            f"{cfg.max_num_batched_tokens} block_size={cfg.block_size} "
+            f"kv_blocks={eng.block_manager.num_blocks} attention={eng.backend.name}",
+            flush=True,
+        )
+        for wl in workloads:
+            eng_s = run_engine(llm, wl)
+            eng_tps = wl.useful_tokens / eng_s
+            line = f"{dtype:<10}{wl.name:<22}{wl.useful_tokens:>8}{eng_tps:>14.1f}"
+            if hf is not None:
+                hf_tps = wl.useful_tokens / run_hf(hf, wl, args.hf_batch_size, eng.device)
+                line += f"{hf_tps:>10.1f}{eng_tps / hf_tps:>7.2f}x"
+            print(line, flush=True)
+        del llm, eng, hf
 
 
 if __name__ == "__main__":

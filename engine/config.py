@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tokenq.engine.downloads import DEFAULT_MODEL
+from tokenq.kernels.cpu_features import bf16_support
 
 # model_type values whose weights follow LlamaForCausalLM's layout.
 _LLAMA_LIKE = ("llama", "mistral")
@@ -275,9 +276,20 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return self.dtype_choice(device)[0]
+
+    def dtype_choice(self, device: torch.device) -> tuple[torch.dtype, str]:
+        """The dtype the engine computes in, and why (for the log). ``auto``: bfloat16 on
+        CUDA, and on a CPU with bf16 instructions (AVX-512 BF16 or AMX); float32 on other
+        CPUs, where bf16 would be emulated and slower than float32."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype], "dtype given"
+        if device.type == "cuda":
+            return torch.bfloat16, "auto on CUDA"
+        support = bf16_support()
+        if support.native:
+            return torch.bfloat16, f"auto: {support.reason}"
+        return torch.float32, f"auto: {support.reason}"
 
     def kv_cache_bytes(self, device: torch.device) -> int:
         if self.kv_cache_memory is not None:

@@ -41,7 +41,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.device = config.resolved_device()
-        self.dtype = config.resolved_dtype(self.device)
+        self.dtype, why = config.dtype_choice(self.device)
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        logger.info("computing in %s on %s (%s)", dtype_name, self.device, why)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         checkpoint = load_checkpoint(resolve_model(config.model), self.dtype)

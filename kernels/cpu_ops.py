@@ -1,6 +1,8 @@
 """The C kernels of ``cpu_ops.c``: built once with the system C compiler, called by ctypes.
 
-The library is compiled for the host CPU (``-march=native``) into the build folder the caller
+The kernels exist for float32 and bfloat16 (``_f32``/``_bf16`` in C; the op functions pick
+by the tensors' dtype, which must be one of the two and the same for all). The library is
+compiled for the host CPU (``-march=native``) into the build folder the caller
 passes to ``load`` (the engine passes its cache's), under a name that hashes the source, the
 flags and the CPU, so a folder shared between different machines never serves a build for the
 wrong one. No compiler, or a failed build, leaves ``load()`` returning None and the engine on
@@ -22,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.c")
+_HEADER = Path(__file__).with_name("cpu_ops_typed.h")  # included by _SOURCE, once per dtype
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -44,11 +48,13 @@ MAX_HEAD_DIM = 256
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "paged_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr] + [_i64] * 6 + [_f32],
-    "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
-    "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
-    "rope_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "paged_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr] + [_i64] * 6 + [_f32],
+    "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
+    "silu_mul": [_ptr, _ptr, _i64, _i64],
+    "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
 }
+# The suffix of each dtype's kernels in the library.
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def _cpu_id() -> str:
@@ -75,7 +81,10 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
         log.warning("no C compiler found: CPU kernels disabled, using torch ops")
         return None
     key = hashlib.sha256(
-        b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), _cpu_id().encode()])
+        b"\0".join(
+            [_SOURCE.read_bytes(), _HEADER.read_bytes()]
+            + [" ".join(_FLAGS).encode(), _cpu_id().encode()]
+        )
     ).hexdigest()[:16]
     target = Path(build_dir) / f"cpu_ops-{key}.so"
     if not target.is_file():
@@ -90,9 +99,10 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
             os.replace(out, target)  # atomic: concurrent builders race harmlessly
     lib = ctypes.CDLL(str(target))
     for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = None
+        for suffix in SUFFIXES.values():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes = argtypes
+            fn.restype = None
     _library = lib
     return lib
 
@@ -101,22 +111,25 @@ def available(build_dir: Path) -> bool:
     return load(build_dir) is not None
 
 
-def _f32(t: torch.Tensor, name: str) -> int:
-    if t.dtype != torch.float32 or t.device.type != "cpu":
-        raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+def _ptr_of(t: torch.Tensor, name: str, dtype: torch.dtype) -> int:
+    if t.dtype != dtype or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a {dtype} CPU tensor, got {t.dtype} on {t.device}")
     return t.data_ptr()
 
 
-def _contiguous(t: torch.Tensor, name: str) -> int:
+def _contiguous(t: torch.Tensor, name: str, dtype: torch.dtype) -> int:
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
-    return _f32(t, name)
+    return _ptr_of(t, name, dtype)
 
 
-def _lib() -> ctypes.CDLL:
+def _kernel(name: str, dtype: torch.dtype) -> Callable[..., None]:
+    """The loaded library's ``name`` for ``dtype``."""
     if _library is None:
         raise RuntimeError("the CPU kernels are not loaded: load(build_dir) first")
-    return _library
+    if dtype not in SUFFIXES:
+        raise ValueError(f"the CPU kernels take float32 or bfloat16 tensors, got {dtype}")
+    return getattr(_library, f"{name}_{SUFFIXES[dtype]}")
 
 
 def paged_attention_cpu(
@@ -145,12 +158,13 @@ def paged_attention_cpu(
             raise ValueError(f"{name} must be contiguous int32")
     if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
         raise ValueError("block_tables must be contiguous int32")
-    _lib().paged_attention_f32(
-        _f32(q, "q"),
+    dt = q.dtype
+    _kernel("paged_attention", dt)(
+        _ptr_of(q, "q", dt),
         q.stride(0),
-        _contiguous(out, "out"),
-        _contiguous(k_cache, "k_cache"),
-        _contiguous(v_cache, "v_cache"),
+        _contiguous(out, "out", dt),
+        _contiguous(k_cache, "k_cache", dt),
+        _contiguous(v_cache, "v_cache", dt),
         cu_seqlens_q.data_ptr(),
         seq_lens.data_ptr(),
         block_tables.data_ptr(),
@@ -174,11 +188,12 @@ def add_rms_norm_cpu(
 ) -> torch.Tensor:
     """``out = rms_norm(x + delta) * weight``, with ``x`` updated in place to ``x + delta``."""
     rows, dim = x.shape
-    _lib().add_rms_norm_f32(
-        _contiguous(x, "x"),
-        None if delta is None else _contiguous(delta, "delta"),
-        _contiguous(weight, "weight"),
-        _contiguous(out, "out"),
+    dt = x.dtype
+    _kernel("add_rms_norm", dt)(
+        _contiguous(x, "x", dt),
+        None if delta is None else _contiguous(delta, "delta", dt),
+        _contiguous(weight, "weight", dt),
+        _contiguous(out, "out", dt),
         rows,
         dim,
         eps,
@@ -191,7 +206,10 @@ def silu_mul_cpu(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     rows, dim = out.shape
     if gate_up.shape != (rows, 2 * dim):
         raise ValueError(f"gate_up must be [{rows}, {2 * dim}], got {list(gate_up.shape)}")
-    _lib().silu_mul_f32(_contiguous(gate_up, "gate_up"), _contiguous(out, "out"), rows, dim)
+    dt = gate_up.dtype
+    _kernel("silu_mul", dt)(
+        _contiguous(gate_up, "gate_up", dt), _contiguous(out, "out", dt), rows, dim
+    )
     return out
 
 
@@ -211,12 +229,13 @@ def rope_cpu(
         raise ValueError("x must be [rows, >= num_heads * head_dim] with contiguous rows")
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         raise ValueError("positions must be contiguous int64")
-    _lib().rope_f32(
-        _f32(x, "x"),
+    dt = x.dtype
+    _kernel("rope", dt)(
+        _ptr_of(x, "x", dt),
         x.stride(0),
         positions.data_ptr(),
-        _contiguous(cos, "cos"),
-        _contiguous(sin, "sin"),
+        _contiguous(cos, "cos", dt),
+        _contiguous(sin, "sin", dt),
         x.shape[0],
         num_heads,
         head_dim,

@@ -1,6 +1,6 @@
-"""The client's share of the `tokenq` command (`submit`, `models`, `celery`, and the
-operator's commands of ``tokenq.producer.ops``: `inspect`, `result`, `cancel`, `dlq`,
-`exporter`), and the option helpers every command uses.
+"""The client's share of the `tokenq` command (`submit`, `models`, `celery`, `batch run`,
+`serve`, and the operator's commands of ``tokenq.producer.ops``: `inspect`, `result`,
+`cancel`, `dlq`, `exporter`), and the option helpers every command uses.
 
 Every option also reads an environment variable (``--max-num-seqs`` <- ``TOKENQ_MAX_NUM_SEQS``)
 so containers are configured without a command line. Nothing here needs torch; the worker's
@@ -8,7 +8,8 @@ commands live in ``tokenq.worker.cli`` and ``tokenq.cli`` dispatches between the
 
 Exit statuses: 0 done; 1 the job failed (its error printed); 2 usage, a bad request, an
 unknown id, or Redis unreachable (one line naming the URL); 3 QueueFull; 4 no result within
---timeout (or, for `result`, the job has not ended); 130 interrupted.
+--timeout (or, for `result`, the job has not ended); 130 interrupted. `batch run`: 1 when
+some lines failed (their answers in the errors file).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -39,6 +41,8 @@ from tokenq.producer.protocol import (
 
 EXIT_JOB_FAILED, EXIT_USAGE, EXIT_QUEUE_FULL, EXIT_TIMEOUT = 1, 2, 3, 4
 EXIT_NO_REDIS = EXIT_USAGE
+# Enough queued jobs to keep a fleet's engines full, few enough to hold in memory.
+BATCH_MAX_OUTSTANDING = 512
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 
@@ -121,10 +125,123 @@ def add_commands(sub: Any) -> None:
     flag_option(models, "--json", "print JSON")
     models.set_defaults(run=cmd_models)
     celery_bridge.add_parser(sub)
+    _add_batch(sub)
     add_serve(sub)
     from tokenq.producer import ops  # ops uses this module's helpers: import it once they exist
 
     ops.add_commands(sub)
+
+
+def _add_batch(sub: Any) -> None:
+    batch = sub.add_parser("batch", help="OpenAI batch files: run one through the queue")
+    actions = batch.add_subparsers(dest="action", required=True)
+    run = actions.add_parser(
+        "run",
+        help="submit every line of an OpenAI batch file, write the answers; rerun to resume",
+    )
+    common_options(run)
+    run.add_argument("input", type=Path, help="requests, one OpenAI batch line each (JSONL)")
+    run.add_argument("output", type=Path, help="answers, appended (OpenAI batch output lines)")
+    option(run, "--errors", type=Path, help="failed lines (default: OUTPUT's name + .errors)")
+    option(run, "--model", help="run every line on this model, whatever its body names")
+    option(
+        run,
+        "--max-outstanding",
+        type=int,
+        default=BATCH_MAX_OUTSTANDING,
+        help="jobs queued and not yet written at most",
+    )
+    option(run, "--batch-id", help="the batch's name (default: from the input's bytes)")
+    flag_option(run, "--queue-anyway", "queue even if no live worker serves a line's model")
+    flag_option(run, "--no-progress", "no progress bar")
+    option(
+        run,
+        "--retry-for",
+        type=float,
+        default=ClientConfig.retry_for,
+        help="seconds to ride out an unreachable Redis",
+    )
+    run.set_defaults(run=cmd_batch_run)
+
+
+def cmd_batch_run(args: argparse.Namespace) -> int:
+    """Exit 0: every line answered with a result; 1: finished, some lines failed (see the
+    errors file); 2: the batch cannot run; 130: interrupted (the same command resumes)."""
+    # Imported here: the conversion comes with the gateway's module, and tqdm is an extra.
+    try:
+        from tqdm import tqdm
+
+        from tokenq.producer import batch
+    except ImportError as exc:
+        print(
+            f"tokenq batch: {exc.name} is not installed: pip install 'tokenq[batch]'",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    errors = args.errors or args.output.with_name(args.output.name + ".errors")
+    if not args.input.is_file():
+        print(f"tokenq batch: no input file {args.input}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.max_outstanding < 1:
+        print("tokenq batch: --max-outstanding must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    content_id, total = batch.scan_input(args.input)
+    batch_id = args.batch_id or content_id
+    if not batch.BATCH_ID_RE.fullmatch(batch_id):
+        print(f"tokenq batch: --batch-id must match {batch.BATCH_ID_RE.pattern}", file=sys.stderr)
+        return EXIT_USAGE
+    bar = tqdm(total=total, unit="req", disable=args.no_progress, dynamic_ncols=True)
+
+    def on_answer(counts: Any) -> None:  # called under the run's lock: one at a time
+        rate = f"{counts.tokens_per_s():.0f}"
+        bar.set_postfix(ok=counts.succeeded, failed=counts.failed, tok_s=rate, refresh=False)
+        bar.update(counts.answered - bar.n)
+
+    client = Client(args.redis_url, namespace=args.namespace, retry_for=args.retry_for)
+    files = None
+    run = None
+    try:
+        done = batch.load_done([args.output, errors], batch_id)
+        files = batch.ResultFiles(args.output, errors)
+        run = batch.BatchRun(
+            client,
+            files,
+            batch_id,
+            model=args.model,
+            max_outstanding=args.max_outstanding,
+            queue_anyway=args.queue_anyway,
+            on_answer=on_answer,
+        )
+        run.counts.total = total
+        counts = run.run(batch.read_lines(args.input), done)
+    except batch.BatchError as exc:
+        print(f"tokenq batch: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except redis.ConnectionError as exc:
+        print(
+            f"tokenq batch: cannot reach Redis at {redacted(args.redis_url)}: {exc}",
+            file=sys.stderr,
+        )
+        return EXIT_NO_REDIS
+    except KeyboardInterrupt:
+        bar.close()
+        print("tokenq batch: interrupted; run the same command to resume", file=sys.stderr)
+        return 130
+    finally:
+        bar.close()
+        if run is not None:
+            run.close()
+        client.close()
+        if files is not None:
+            files.close()
+    print(
+        f"batch {batch_id}: {counts.total} lines: {counts.succeeded} done, "
+        f"{counts.failed} failed, {counts.already} answered before; "
+        f"{counts.tokens} tokens at {counts.tokens_per_s():.1f} tokens/s; "
+        f"results in {args.output}, errors in {errors}",
+        file=sys.stderr,
+    )
+    return EXIT_JOB_FAILED if counts.failed else 0
 
 
 def add_serve(sub: Any) -> None:
@@ -132,6 +249,7 @@ def add_serve(sub: Any) -> None:
     the command is still listed, and says what to install."""
     help = "the OpenAI API over the queue (needs tokenq[serve])"
     try:
+        from tokenq.producer.batch_api import BatchConfig
         from tokenq.producer.gateway import GatewayConfig
     except ImportError as exc:
         missing = exc.name
@@ -172,6 +290,27 @@ def add_serve(sub: Any) -> None:
         help="seconds, in the Retry-After of a 429 (queue full)",
     )
     option(serve, "--max-backlog", type=int, help="429 beyond this many jobs in a model's lane")
+    option(
+        serve,
+        "--max-file",
+        type=parse_size,
+        default=BatchConfig.max_file_bytes,
+        help="batch input files over this many bytes get 413",
+    )
+    option(
+        serve,
+        "--batch-lock-ttl",
+        type=float,
+        default=BatchConfig.lock_ttl_s,
+        help="seconds after which a dead gateway's batches are taken over",
+    )
+    option(
+        serve,
+        "--batch-poll",
+        type=float,
+        default=BatchConfig.poll_s,
+        help="seconds between the batch runner's looks at Redis",
+    )
     option(serve, "--log-level", default="warning", help="uvicorn's log level")
     serve.set_defaults(run=cmd_serve)
 
@@ -182,6 +321,7 @@ def _not_installed(missing: str | None) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenq.producer.batch_api import BatchConfig
     from tokenq.producer.gateway import GatewayConfig, serve
 
     config = GatewayConfig(
@@ -193,7 +333,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         retry_after=args.retry_after,
         max_backlog=args.max_backlog,
     )
-    serve(config, args.host, args.port, args.log_level)
+    batches = BatchConfig(
+        max_file_bytes=args.max_file, poll_s=args.batch_poll, lock_ttl_s=args.batch_lock_ttl
+    )
+    serve(config, args.host, args.port, args.log_level, batches)
     return 0
 
 

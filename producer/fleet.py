@@ -32,6 +32,15 @@ DEFAULT_STALE_S = 30.0
 DEFAULT_RESCAN_S = 60.0
 # Pending entries read per queue for their idle times: more than a fleet runs at once.
 MAX_PENDING_READ = 10_000
+# The load figures a worker's registry entry carries on every heartbeat (docs/protocol.md):
+# the batch now, and counters (tokens sampled, TTFT's sum and count) to rate in between.
+REGISTRY_FIGURES = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "tokens_generated",
+    "ttft_sum_s",
+    "ttft_count",
+)
 
 
 @dataclass
@@ -77,6 +86,9 @@ class RegisteredWorker:
     started_at: float | None = None
     # Its metrics summary (`<ns>:metrics:<consumer>`): running, waiting, KV usage, totals.
     load: dict[str, float] = field(default_factory=dict)
+    # The load its registry entry carried at its last heartbeat (REGISTRY_FIGURES): fresher
+    # than `load`, and counters that a reader rates between two heartbeats.
+    figures: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -169,6 +181,7 @@ class FleetReader:
         workers = self._workers(now)
         live = [w for w in workers if w.live]
         names = self._model_names() | {n for w in live for n in w.names}
+        self._names |= names  # a model stays listed when its last worker leaves
         queues = self._queues(sorted(names))
         lanes = self._lanes(sorted(names), queues, now)
         serving = {n: sorted(w.consumer for w in live if n in w.names) for n in names}
@@ -199,6 +212,11 @@ class FleetReader:
                 worker.pid = int(info[b"pid"]) if b"pid" in info else None
                 started = info.get(b"started_at")
                 worker.started_at = float(started) if started else None
+                worker.figures = {
+                    name: float(info[name.encode()])
+                    for name in REGISTRY_FIGURES
+                    if name.encode() in info
+                }
             worker.load = {k.decode(): float(v) for k, v in load.items() if k != b"updated_at"}
             out.append(worker)
         return sorted(out, key=lambda w: (not w.live, w.consumer))

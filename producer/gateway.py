@@ -18,6 +18,9 @@ nothing the workers are running.
 - Errors come in OpenAI's shape with their HTTP status; `create_app` leaves room for more
   routers (`app.include_router`), which find the shared client in `app.state.client` and
   its Redis connection in `app.state.redis`.
+- Operators get the fleet's Prometheus gauges at `/metrics` and a live page at
+  `/dashboard` (producer/dashboard.py), read from Redis on a blocking connection of their
+  own (prometheus_client collects synchronously) in the thread pool.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from tokenq.producer.batch_api import BatchConfig, batch_router
 from tokenq.producer.client import DEFAULT_REDIS_URL, AsyncClient, AsyncJob
+from tokenq.producer.dashboard import dashboard_router
 from tokenq.producer.errors import QueueFull, UnknownModel
 from tokenq.producer.openai_api import (
     BadRequest,
@@ -70,6 +75,7 @@ KEEP_RUNNING = "x-tokenq-keep-running"
 TIMEOUT_HEADER = "x-tokenq-timeout"
 JOB_HEADER = "X-Tokenq-Job-Id"
 EVENT_ID_RE = re.compile(r"\d{1,20}-\d{1,20}")
+FLEET_TIMEOUT_S = 5.0  # /metrics and /dashboard/data: Redis silent this long is an error
 TRUE = ("1", "true", "yes", "on")
 log = logging.getLogger("tokenq.gateway")
 
@@ -525,10 +531,17 @@ def openai_router() -> APIRouter:
     return router
 
 
-def create_app(config: GatewayConfig | None = None) -> FastAPI:
-    """The gateway's app: OpenAI's routes, and `app.state.client` (an AsyncClient),
-    `app.state.redis` (its connection) and `app.state.config` for routers added later."""
+def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None = None) -> FastAPI:
+    """The gateway's app: OpenAI's routes, the Files and Batches API (producer/batch_api.py),
+    the fleet's /metrics and the /dashboard page (producer/dashboard.py), and
+    `app.state.client` (an AsyncClient), `app.state.redis` (its connection) and
+    `app.state.config` for routers added later."""
     config = config or GatewayConfig()
+    # The fleet's readers are blocking (prometheus_client collects synchronously): their
+    # own connection, run in the thread pool, with timeouts so a scrape never hangs.
+    fleet = redis.Redis.from_url(
+        config.redis_url, socket_timeout=FLEET_TIMEOUT_S, socket_connect_timeout=FLEET_TIMEOUT_S
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -549,6 +562,7 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
             # Clients that left just before the shutdown still get their jobs cancelled.
             await asyncio.gather(*app.state.leaving, return_exceptions=True)
             await client.aclose()
+            fleet.close()
 
     app = FastAPI(title="tokenq", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
@@ -561,10 +575,20 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
         )
 
     app.include_router(openai_router())
+    app.include_router(dashboard_router(fleet, config.namespace))
+    app.include_router(batch_router(batches))  # /v1/files, /v1/batches and their runner
     return app
 
 
-def serve(config: GatewayConfig, host: str, port: int, log_level: str = "warning") -> None:
+def serve(
+    config: GatewayConfig,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    batches: BatchConfig | None = None,
+) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(
+        create_app(config, batches), host=host, port=port, log_level=log_level, access_log=False
+    )

@@ -373,6 +373,111 @@ def test_cpu_rope_in_place(gen: torch.Generator) -> None:
     assert torch.equal(qkv[:, heads * head_dim :], values)
 
 
+# -- the C kernels in bfloat16 ------------------------------------------------------------
+# bf16 storage, float32 arithmetic: each kernel is compared with its torch reference
+# computed in float32 on the same (bf16-rounded) inputs, so the only difference allowed is
+# the rounding of the result to bf16 (a relative step of 2^-8 = 3.9e-3, half that at
+# nearest) plus the few intermediate roundings the kernels copy from transformers.
+BF16_STEP = 2.0**-8
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize(
+    "shape",
+    [*SHAPES, (2, 2, 40, 16), (1, 2, 36, 16), (3, 3, 64, 1)],
+    ids=lambda s: "kvh{}-g{}-d{}-bs{}".format(*s),
+)
+def test_cpu_attention_bf16(gen: torch.Generator, shape: tuple[int, int, int, int]) -> None:
+    """Attention reading a bf16 cache: against float32 attention over the same bf16 values,
+    within one bf16 step of the largest output (the result's own rounding is half that)."""
+    num_kv_heads, group, head_dim, block_size = shape
+    batch = make_batch(
+        gen,
+        mixed(block_size) + [(1, 200)],
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+    )
+    out = torch.full_like(batch.q, float("nan"))
+    cpu_ops.paged_attention_cpu(*batch.args(), out=out)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any(), "rows left unwritten"
+    expected = paged_attention_torch(
+        batch.q.float(), batch.k_cache.float(), batch.v_cache.float(), *batch.args()[3:]
+    )
+    err = rel_err(out, expected)
+    assert err < BF16_STEP, f"relative error {err:.2e}"
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_cpu_add_rms_norm_bf16(gen: torch.Generator, with_delta: bool) -> None:
+    """The residual sum is stored exactly as torch's bf16 add rounds it; the output equals
+    transformers' LlamaRMSNorm in bf16 (normalise in float32, round, multiply, round) to
+    one bf16 step, the float32 sum of squares being added in another order."""
+    rows, dim, eps = 37, 576, 1e-5
+    bf = torch.bfloat16
+    x, delta = randn(gen, rows, dim, dtype=bf), randn(gen, rows, dim, dtype=bf)
+    weight = (1 + 0.1 * randn(gen, dim)).to(bf)
+    summed = x + delta if with_delta else x.clone()
+    xf = summed.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(bf)
+    expected = weight * normed
+    out = torch.full_like(x, float("nan"))
+    cpu_ops.add_rms_norm_cpu(x, delta if with_delta else None, weight, eps, out)
+    assert torch.equal(x, summed)
+    assert rel_err(out, expected) < BF16_STEP
+    # one bf16 step at most, and nearly everywhere none
+    assert (out != expected).float().mean() < 0.02
+
+
+@needs_cpu_ops
+def test_cpu_silu_mul_bf16(gen: torch.Generator) -> None:
+    """Against torch's bf16 ``silu(gate) * up`` (each op rounding to bf16): within one bf16
+    step of each element's own size."""
+    gate_up = (4 * randn(gen, 33, 2 * 200)).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up).float()
+    out = torch.full((33, 200), float("nan"), dtype=torch.bfloat16)
+    cpu_ops.silu_mul_cpu(gate_up, out)
+    assert torch.allclose(out.float(), expected, rtol=BF16_STEP, atol=1e-6)
+
+
+@needs_cpu_ops
+def test_cpu_rope_bf16(gen: torch.Generator) -> None:
+    """Against transformers' bf16 rotary (bf16 tables, ``q * cos + rotate_half(q) * sin``
+    with every op rounding to bf16), within one bf16 step of the largest element; value
+    heads untouched."""
+    rows, heads, head_dim, max_pos = 21, 5, 64, 300
+    bf = torch.bfloat16
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(bf), emb.sin().to(bf)
+    qkv = randn(gen, rows, (heads + 2) * head_dim, dtype=bf)
+    positions = torch.randint(max_pos, (rows,), generator=gen)
+    x = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    half = head_dim // 2
+    expected = x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
+    values = qkv[:, heads * head_dim :].clone()
+    cpu_ops.rope_cpu(qkv, heads, head_dim, positions, cos, sin)
+    assert rel_err(qkv[:, : heads * head_dim].view(rows, heads, head_dim), expected) < BF16_STEP
+    assert torch.equal(qkv[:, heads * head_dim :], values)
+
+
+@needs_cpu_ops
+def test_cpu_ops_refuse_mixed_or_other_dtypes(gen: torch.Generator) -> None:
+    """A clear ValueError, never a kernel reading memory as the wrong type."""
+    x = randn(gen, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="weight must be a torch.bfloat16"):
+        cpu_ops.add_rms_norm_cpu(x, None, torch.ones(64), 1e-5, torch.empty_like(x))
+    half = randn(gen, 4, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_ops.silu_mul_cpu(half, torch.empty(4, 64, dtype=torch.float16))
+
+
 def test_cpu_ops_build_failure_leaves_the_torch_path(monkeypatch, tmp_path, caplog) -> None:
     """A compiler that fails gives None (and a warning), never an exception; ``auto`` then
     picks plain torch on the CPU."""
@@ -391,5 +496,6 @@ def test_cpu_ops_build_failure_leaves_the_torch_path(monkeypatch, tmp_path, capl
     monkeypatch.undo()
     if cpu_ops.available(build_dir()):
         assert resolve_backend("auto", cpu, torch.float32) == "cpu"
-        assert resolve_backend("auto", cpu, torch.bfloat16) == "torch"
+        assert resolve_backend("auto", cpu, torch.bfloat16) == "cpu"
+        assert resolve_backend("auto", cpu, torch.float16) == "torch"
     assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16) == "triton"

@@ -35,7 +35,8 @@ def test_the_wheel_holds_one_top_level_package_that_imports_the_same_way(tmp_pat
     info = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
     assert zipfile.ZipFile(wheel).read(info).decode().split() == ["tokenq"]
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"tokenq"}
-    assert "tokenq/kernels/cpu_ops.c" in names
+    assert {"tokenq/kernels/cpu_ops.c", "tokenq/kernels/cpu_ops_typed.h"} <= set(names)
+    assert "tokenq/producer/dashboard.html" in names  # the gateway's /dashboard page
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),

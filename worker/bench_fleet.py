@@ -139,11 +139,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--interactive-gen", type=int, default=16)
     ap.add_argument("--interval", type=float, default=3.0, help="seconds between interactive")
     ap.add_argument("--num-threads", type=int, default=None)
+    # The step-time knobs: a step in flight is what an arriving interactive job waits for.
+    ap.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens
+    )
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
     engine = LLMEngine(
-        EngineConfig(model=args.model, num_threads=args.num_threads, enable_prefix_caching=False)
+        EngineConfig(
+            model=args.model,
+            num_threads=args.num_threads,
+            enable_prefix_caching=False,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
     )
     work = Workload(
         prompts(args.batch_jobs, args.batch_prompt_len, 0),
@@ -159,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{args.batch_jobs} batch jobs ({args.batch_prompt_len}+{args.batch_gen} tokens), "
         f"interactive ({args.interactive_prompt_len}+{args.interactive_gen}) every "
-        f"{args.interval}s; {engine.model_config.num_layers}-layer model on {engine.device}"
+        f"{args.interval}s; {engine.model_config.num_layers}-layer model on {engine.device}, "
+        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}"
     )
     idle_ttft = idle["ttfts"][:n] or idle["ttfts"]
     print(f"{'':<26}{'p50':>9}{'p99':>9}")

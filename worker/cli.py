@@ -37,7 +37,7 @@ ENGINE_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "max_model_len": (int, "context limit"),
     "attention_backend": (str, "auto, cpu (C kernels), torch or triton"),
     "device": (str, "auto, cpu, cuda, cuda:1"),
-    "dtype": (str, "auto, float32, float16, bfloat16"),
+    "dtype": (str, "auto (bf16 on CUDA and bf16-capable CPUs), float32, float16, bfloat16"),
     "num_threads": (int, "torch CPU threads"),
 }
 # WorkerConfig field -> (flag, parser, help)
@@ -48,6 +48,11 @@ WORKER_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "grace_period_s": ("--grace-period", float, "seconds to drain on stop"),
     "reply_ttl_s": ("--reply-ttl", int, "reply stream TTL after the end"),
     "metrics_interval_s": ("--metrics-interval", float, "seconds between metrics publishes"),
+    "registry_interval_s": (
+        "--registry-interval",
+        float,
+        "seconds between registry heartbeats (they carry the load that /dashboard rates)",
+    ),
     "metrics_port": ("--metrics-port", int, "serve Prometheus /metrics on this port; 0: off"),
     "metrics_addr": ("--metrics-addr", str, "address the metrics server binds"),
 }
@@ -106,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     option(demo, "--max-tokens", type=int, default=48, help="tokens per answer")
     demo.set_defaults(run=run_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine, queue, gateway, fleet, kernels")
-    bench.add_argument("target", choices=("engine", "queue", "gateway", "fleet", "kernels"))
+    bench = sub.add_parser("bench", help="benchmarks: engine, queue, gateway, fleet, batch, ...")
+    bench.add_argument(
+        "target", choices=("engine", "queue", "gateway", "fleet", "batch", "kernels")
+    )
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(run=run_bench)
     return parser
@@ -173,6 +180,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from tokenq.kernels.bench import run_kernel_bench
 
         run_kernel_bench()
+    elif args.target == "batch":
+        from tokenq.worker.bench_batch import main as bench_batch
+
+        bench_batch(args.args)
     elif args.target == "fleet":
         from tokenq.worker.bench_fleet import main as bench_fleet
 

@@ -185,7 +185,8 @@ class Worker:
         return self._stop_at is not None
 
     def register(self) -> None:
-        """Tell the fleet what this worker serves (`Client.models()`, UnknownModel); kept
+        """Tell the fleet what this worker serves (`Client.models()`, UnknownModel) and its
+        load now (the gateway's /dashboard rates its counters between heartbeats); kept
         fresh on every heartbeat, removed when the worker stops."""
         c, k = self.config, self.keys
         now = time.time()
@@ -196,6 +197,7 @@ class Worker:
             "pid": os.getpid(),
             "started_at": self._started_at,
             "heartbeat_at": round(now, 3),
+            **self.metrics.live(),
         }
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(k.worker(c.consumer), mapping=info)
@@ -287,7 +289,9 @@ class Worker:
             self._replay = False
         if self._resync:
             self._resync = False
-            self._heartbeat()
+            # The heartbeat that finds jobs lost while Redis was away runs on the publisher
+            # thread: here it could see an entry the publisher has just settled as gone.
+            self._next_heartbeat = 0.0
             self._take_own_pending()
         if self.stopping:
             time.sleep(block)

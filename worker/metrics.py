@@ -125,6 +125,10 @@ class WorkerMetrics:
         self.request_error_total: Tally[str] = Tally()  # by error code
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # TTFT of finished requests, as a sum and a count: the registry entry carries them
+        # so that a reader can take the mean over any interval (the gateway's /dashboard).
+        self.ttft_sum_s = 0.0
+        self.ttft_count = 0
 
     def finished(self, out: RequestDelta, lane: str, skipped_tokens: int = 0) -> None:
         """Account one finished request; `skipped_tokens` were generated (and counted) by
@@ -146,6 +150,9 @@ class WorkerMetrics:
         ):
             if value is not None:
                 h[name].observe(value)
+        if m.ttft is not None:
+            self.ttft_sum_s += m.ttft
+            self.ttft_count += 1
         itl = h["inter_token_latency_seconds"]
         for gap in m.inter_token_latencies():
             itl.observe(gap)
@@ -175,6 +182,19 @@ class WorkerMetrics:
         for code, n in sorted(self.request_error_total.items()):
             out[f'request_error_total{{code="{code}"}}'] = n
         return out
+
+    def live(self) -> dict[str, float]:
+        """What the registry entry carries on every heartbeat, for fleet views that rate
+        it between heartbeats: the batch now, tokens sampled so far (counted as the engine
+        samples them, not when requests finish), TTFT's sum and count."""
+        stats = self.stats()
+        return {
+            "num_requests_running": stats.num_running,
+            "num_requests_waiting": stats.num_waiting,
+            "tokens_generated": stats.counters.get("generation_tokens", 0),
+            "ttft_sum_s": round(self.ttft_sum_s, 6),
+            "ttft_count": self.ttft_count,
+        }
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Serve the registry at http://addr:port/metrics from a daemon thread; port 0

@@ -1,0 +1,230 @@
+/* The kernels of cpu_ops.c for one storage type, included once per type.
+ *
+ * The includer defines:
+ *   T         the element type of activations, weights and the KV cache (float or bf16_t)
+ *   NAME(f)   the exported name of kernel f for this type (f##_f32, f##_bf16)
+ *   FROM(v)   T -> float
+ *   TO(v)     float -> T (rounding)
+ *   ROUND(v)  float -> float rounded to T's precision: where transformers rounds an
+ *             intermediate to the model's dtype, so do we (identity for float)
+ *   LOAD8(p)  eight consecutive T at p as an __m256 (AVX2 builds only)
+ * Everything is computed in float32 whatever T is; only loads and stores convert, so the
+ * float instantiation is exactly the float32 kernels.
+ */
+
+/* Fold the keys kp[0..len) and values vp[0..len) into one query head's state: `m`, `l` and
+ * the unnormalised output `acc`. Portable C; the AVX2 version below is the fast path. */
+static inline void NAME(attend_generic)(const float *qg, float *acc, float *m, float *l,
+                                        const T *const *kp, const T *const *vp, int64_t len,
+                                        int64_t head_dim, float *sc)
+{
+    for (int64_t t = 0; t < len; t++) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; d++)
+            dot += qg[d] * FROM(kp[t][d]);
+        sc[t] = dot;
+    }
+    const float alpha = softmax_update(sc, len, m, l);
+    for (int64_t d = 0; d < head_dim; d++)
+        acc[d] *= alpha;
+    for (int64_t t = 0; t < len; t++) {
+        const float p = sc[t];
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++)
+            acc[d] += p * FROM(vp[t][d]);
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* attend_generic for head sizes that are multiples of 8. Eight keys are scored at once with
+ * eight independent accumulators (one dot product alone would wait on its own chain of
+ * fused multiply-adds), and the output stays in registers across the chunk. `kp` must
+ * have a multiple of 8 entries, the padding pointing at any valid key. Inlined per head
+ * size so that the inner loops have constant bounds. */
+static inline __attribute__((always_inline)) void
+NAME(attend_avx2)(const float *qg, float *acc, float *m, float *l, const T *const *kp,
+                  const T *const *vp, int64_t len, const int64_t head_dim, float *sc)
+{
+    const int64_t nc = head_dim / 8;
+    for (int64_t t0 = 0; t0 < len; t0 += 8) {
+        __m256 part[8];
+        for (int64_t j = 0; j < 8; j++)
+            part[j] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nc; c++) {
+            const __m256 qv = _mm256_loadu_ps(qg + 8 * c);
+            for (int64_t j = 0; j < 8; j++)
+                part[j] = _mm256_fmadd_ps(qv, LOAD8(kp[t0 + j] + 8 * c), part[j]);
+        }
+        _mm256_storeu_ps(sc + t0, sum8(part));
+    }
+    const __m256 alpha = _mm256_set1_ps(softmax_update(sc, len, m, l));
+    for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+        const int64_t cb = nc - c0 < 8 ? nc - c0 : 8;
+        __m256 r[8];
+        for (int64_t c = 0; c < cb; c++)
+            r[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * (c0 + c)), alpha);
+        for (int64_t t = 0; t < len; t++) {
+            const __m256 p = _mm256_set1_ps(sc[t]);
+            for (int64_t c = 0; c < cb; c++)
+                r[c] = _mm256_fmadd_ps(p, LOAD8(vp[t] + 8 * (c0 + c)), r[c]);
+        }
+        for (int64_t c = 0; c < cb; c++)
+            _mm256_storeu_ps(acc + 8 * (c0 + c), r[c]);
+    }
+}
+#endif
+
+/* One query head's chunk, by the fastest path the head size allows. */
+static inline void NAME(attend)(const float *qg, float *acc, float *m, float *l,
+                                const T *const *kp, const T *const *vp, int64_t len,
+                                int64_t head_dim, float *sc)
+{
+#if defined(__AVX2__) && defined(__FMA__)
+    if (head_dim == 64)
+        NAME(attend_avx2)(qg, acc, m, l, kp, vp, len, 64, sc);
+    else if (head_dim == 128)
+        NAME(attend_avx2)(qg, acc, m, l, kp, vp, len, 128, sc);
+    else if (head_dim % 8 == 0)
+        NAME(attend_avx2)(qg, acc, m, l, kp, vp, len, head_dim, sc);
+    else
+#endif
+        NAME(attend_generic)(qg, acc, m, l, kp, vp, len, head_dim, sc);
+}
+
+/* Causal attention of new query tokens over a paged K/V cache.
+ *
+ * Same semantics as kernels.reference.paged_attention_torch, for decodes and prefill chunks
+ * alike. Work items are (query token, KV head); each walks the token's visible keys CHUNK at
+ * a time (whatever the block size) with an online softmax, for all query heads of its KV
+ * head, so each K/V row comes from memory once per token. Measured here about twice as fast
+ * as SDPA on prefill chunks too, gathers included, so one kernel serves the whole batch.
+ */
+void NAME(paged_attention)(
+    const T *q, int64_t q_stride, T *out, const T *k_cache, const T *v_cache,
+    const int32_t *cu_seqlens_q, const int32_t *seq_lens, const int32_t *block_tables,
+    int64_t max_blocks, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale)
+{
+    const int64_t num_items = cu_seqlens_q[num_seqs];
+    int32_t *item_seq = malloc(sizeof(int32_t) * (num_items ? num_items : 1));
+    for (int32_t s = 0; s < num_seqs; s++)
+        for (int32_t t = cu_seqlens_q[s]; t < cu_seqlens_q[s + 1]; t++)
+            item_seq[t] = s;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t row = num_kv_heads * head_dim; /* elements per cached token */
+
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t w = 0; w < num_items * num_kv_heads; w++) {
+        const int32_t s = item_seq[w / num_kv_heads];
+        const int64_t tok = w / num_kv_heads;
+        const int64_t kh = w % num_kv_heads;
+        const int32_t qlen = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
+        const int64_t visible = seq_lens[s] - qlen + (tok - cu_seqlens_q[s]) + 1;
+        const int32_t *table = block_tables + (int64_t)s * max_blocks;
+
+        float qs[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM];
+        float m[MAX_GROUP], l[MAX_GROUP], sc[CHUNK];
+        const T *kp[CHUNK], *vp[CHUNK];
+        for (int64_t g = 0; g < group; g++) {
+            const T *qg = q + tok * q_stride + (kh * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) {
+                qs[g * head_dim + d] = FROM(qg[d]) * scale;
+                acc[g * head_dim + d] = 0.0f;
+            }
+            m[g] = -INFINITY;
+            l[g] = 0.0f;
+        }
+        for (int64_t start = 0; start < visible; start += CHUNK) {
+            const int64_t len = visible - start < CHUNK ? visible - start : CHUNK;
+            int64_t b = start / block_size, off = start % block_size;
+            for (int64_t t = 0; t < CHUNK; t++) {
+                /* rows past len repeat the last key: padding for the 8-wide scoring */
+                const int64_t slot = (int64_t)table[b] * block_size + off;
+                kp[t] = k_cache + slot * row + kh * head_dim;
+                vp[t] = v_cache + slot * row + kh * head_dim;
+                if (t + 1 < len && ++off == block_size) {
+                    off = 0;
+                    b++;
+                }
+            }
+            for (int64_t g = 0; g < group; g++)
+                NAME(attend)(qs + g * head_dim, acc + g * head_dim, &m[g], &l[g], kp, vp, len,
+                             head_dim, sc);
+        }
+        for (int64_t g = 0; g < group; g++) {
+            T *og = out + (tok * num_heads + kh * group + g) * head_dim;
+            const float inv = 1.0f / l[g];
+            for (int64_t d = 0; d < head_dim; d++)
+                og[d] = TO(acc[g * head_dim + d] * inv);
+        }
+    }
+    free(item_seq);
+}
+
+/* y = rms_norm(x) * weight, after x += delta when delta is given (the residual add of the
+ * previous sublayer, fused so the hidden state is read once). As in transformers, the sum
+ * is stored in T and the normalised row is rounded to T before the weight multiplies it. */
+void NAME(add_rms_norm)(T *x, const T *delta, const T *weight, T *y, int64_t num_rows,
+                        int64_t dim, float eps)
+{
+#pragma omp parallel for schedule(static) if (num_rows > 16)
+    for (int64_t r = 0; r < num_rows; r++) {
+        T *xr = x + r * dim;
+        T *yr = y + r * dim;
+        if (delta) {
+            const T *dr = delta + r * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++)
+                xr[d] = TO(FROM(xr[d]) + FROM(dr[d]));
+        }
+        float sumsq = 0.0f;
+#pragma omp simd reduction(+ : sumsq)
+        for (int64_t d = 0; d < dim; d++)
+            sumsq += FROM(xr[d]) * FROM(xr[d]);
+        const float inv = 1.0f / sqrtf(sumsq / (float)dim + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++)
+            yr[d] = TO(FROM(weight[d]) * ROUND(FROM(xr[d]) * inv));
+    }
+}
+
+/* out = silu(gate) * up, where each row of gate_up is [gate | up]. */
+void NAME(silu_mul)(const T *gate_up, T *out, int64_t num_rows, int64_t dim)
+{
+#pragma omp parallel for schedule(static) if (num_rows > 4)
+    for (int64_t r = 0; r < num_rows; r++) {
+        const T *g = gate_up + r * 2 * dim;
+        const T *u = g + dim;
+        T *o = out + r * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) {
+            const float gd = FROM(g[d]);
+            o[d] = TO(ROUND(gd / (1.0f + fast_expf(-gd))) * FROM(u[d]));
+        }
+    }
+}
+
+/* Rotary embedding in place on the first `num_heads` heads of each row of x (the query and
+ * key heads of a fused QKV row), in the rotate-half convention; cos and sin are
+ * [max_positions, head_dim] tables with each half repeated. */
+void NAME(rope)(T *x, int64_t x_stride, const int64_t *positions, const T *cos_table,
+                const T *sin_table, int64_t num_rows, int64_t num_heads, int64_t head_dim)
+{
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (num_rows > 16)
+    for (int64_t r = 0; r < num_rows; r++) {
+        const T *c = cos_table + positions[r] * head_dim;
+        const T *s = sin_table + positions[r] * head_dim;
+        for (int64_t h = 0; h < num_heads; h++) {
+            T *a = x + r * x_stride + h * head_dim;
+            T *b = a + half;
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                const float x1 = FROM(a[d]), x2 = FROM(b[d]);
+                a[d] = TO(ROUND(x1 * FROM(c[d])) - ROUND(x2 * FROM(s[d])));
+                b[d] = TO(ROUND(x2 * FROM(c[half + d])) + ROUND(x1 * FROM(s[half + d])));
+            }
+        }
+    }
+}
