@@ -586,3 +586,19 @@ def test_the_gateway_needs_no_torch() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_bench_gateway_runs(tmp_path: Path, redis_url: str) -> None:
+    """`tokenq bench gateway` end to end on a tiny workload: both sides run, it reports."""
+    model = make_tiny_llama_dir(tmp_path / "tiny")
+    cmd = [
+        sys.executable, "-m", "tokenq.cli", "bench", "gateway", "--model", str(model),
+        "--device", "cpu", "--dtype", "float32", "--num-threads", "1",
+        "--redis-url", redis_url, "--port", str(free_port()), "--requests", "4",
+        "--prompt-len", "8", "--gen", "4", "--latency-requests", "3", "--repeat", "1",
+        "--log", str(tmp_path / "gateway.log"),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "gateway/Client throughput" in out.stdout
+    assert "added TTFT p50" in out.stdout
