@@ -1,4 +1,5 @@
-# A tokenq worker (CPU torch; for GPUs start from an image with CUDA torch instead).
+# tokenq's worker and gateway (CPU torch; for GPUs start from an image with CUDA torch
+# instead).
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 \
@@ -17,7 +18,7 @@ COPY kernels kernels
 COPY producer producer
 COPY worker worker
 COPY tokenq tokenq
-RUN pip install '.[worker]'
+RUN pip install '.[worker,serve]'
 # The default model is baked into the image: workers never download at run time.
 RUN python -m tokenq.engine.downloads fetch
 

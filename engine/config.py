@@ -283,7 +283,7 @@ class EngineConfig:
         CUDA, and on a CPU with bf16 instructions (AVX-512 BF16 or AMX); float32 on other
         CPUs, where bf16 would be emulated and slower than float32."""
         if self.dtype != "auto":
-            return _DTYPES[self.dtype], "--dtype given"
+            return _DTYPES[self.dtype], "dtype given"
         if device.type == "cuda":
             return torch.bfloat16, "auto on CUDA"
         support = bf16_support()

@@ -87,7 +87,8 @@ class FusedOps:
     silu_mul: Callable[..., torch.Tensor]
 
 
-# The C kernels (float32 on the CPU), and torch ops doing the same on any device and dtype.
+# The C kernels (float32 or bfloat16 on the CPU), and torch ops doing the same on any
+# device and dtype.
 C_OPS = FusedOps(cpu_ops.add_rms_norm_cpu, cpu_ops.rope_cpu, cpu_ops.silu_mul_cpu)
 TORCH_OPS = FusedOps(reference.add_rms_norm_torch, reference.rope_torch, reference.silu_mul_torch)
 

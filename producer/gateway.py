@@ -18,6 +18,9 @@ nothing the workers are running.
 - Errors come in OpenAI's shape with their HTTP status; `create_app` leaves room for more
   routers (`app.include_router`), which find the shared client in `app.state.client` and
   its Redis connection in `app.state.redis`.
+- Operators get the fleet's Prometheus gauges at `/metrics` and a live page at
+  `/dashboard` (producer/dashboard.py), read from Redis on a blocking connection of their
+  own (prometheus_client collects synchronously) in the thread pool.
 """
 
 from __future__ import annotations
@@ -198,11 +201,11 @@ def _sent_key(client: AsyncClient, job_id: str) -> str:
 
 async def _missing_model(client: AsyncClient, exc: UnknownModel) -> BadRequest:
     """404 for a model nobody serves, 503 when its workers (or all workers) are gone."""
-    if exc.model is None:
-        return BadRequest(str(exc), "model")
     live = await client.models()
     if not live:
         return BadRequest("no live worker", "model", 503, "service_unavailable", "no_live_worker")
+    if exc.model is None:  # several models served: which one?
+        return BadRequest(str(exc), "model")
     keys = client.keys
     registered = await client.redis.zrange(keys.workers, 0, -1)
     async with client.redis.pipeline(transaction=False) as pipe:
@@ -431,6 +434,10 @@ async def _sse(
                 except TimeoutError:
                     failure = job_error("deadline_exceeded", "no answer within the timeout")
                     yield _sse_data(failure.body())
+                    break
+                except redis.ConnectionError as exc:  # the job runs on: a retry resumes it
+                    message = f"Redis unavailable: {clip(str(exc))}"
+                    yield _sse_data(error_body(message, "server_error", None, "redis_unavailable"))
                     break
             if isinstance(event, TokenEvent):
                 lp = None

@@ -74,6 +74,16 @@ def test_every_tokenq_command_in_the_compose_file_parses() -> None:
     assert checked == {"worker", "serve"}
 
 
+def test_the_image_installs_what_each_command_needs() -> None:
+    """`tokenq worker` needs the worker extra (torch), `tokenq serve` the serve extra
+    (FastAPI, uvicorn): the services built from the Dockerfile run both."""
+    (extras,) = re.findall(r"pip install '\.\[([a-z,]+)\]'", (ROOT / "Dockerfile").read_text())
+    needed = {"worker": "worker", "serve": "serve"}
+    for name, service in SERVICES.items():
+        if "build" in service and service["command"][0] in needed:
+            assert needed[service["command"][0]] in extras.split(","), name
+
+
 def test_services_volumes_and_dependencies_exist() -> None:
     assert set(SERVICES) == {"redis", "worker", "gateway", "prometheus", "grafana"}
     assert "--appendonly" in SERVICES["redis"]["command"]

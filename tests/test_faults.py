@@ -311,7 +311,7 @@ def test_thousands_of_hostile_entries_interleaved_with_good_jobs(
     started = time.monotonic()
     with runner:
         for start in range(0, len(hostile), 50):
-            with conn.pipeline(transaction=False) as pipe:
+            with conn.pipeline(transaction=True) as pipe:  # atomic, as SUBMIT (add_raw)
                 pipe.zadd(keys.queues(TEST_MODEL), {f"0:{NO_TENANT}": 0})
                 for i, fields in enumerate(hostile[start : start + 50]):
                     pipe.xadd(default_queue(keys), wire(fields, f"hostile-{start + i}"))

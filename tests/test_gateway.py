@@ -24,6 +24,7 @@ import redis
 
 from tests.faults import WorkerProcess, free_port
 from tests.helpers import make_tiny_llama_dir
+from tests.test_packaging import NO_TORCH
 from tokenq.producer import Client
 
 MODEL = "tiny"
@@ -575,3 +576,29 @@ def test_serve_without_fastapi_says_what_to_install(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "pip install 'tokenq[serve]'" in out.stderr
+
+
+def test_the_gateway_needs_no_torch() -> None:
+    script = NO_TORCH + (
+        "from tokenq.producer.gateway import GatewayConfig, create_app\n"
+        "app = create_app(GatewayConfig())\n"
+        "assert not [m for m in sys.modules if m.startswith(('torch', 'tokenq.engine'))]\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_bench_gateway_runs(tmp_path: Path, redis_url: str) -> None:
+    """`tokenq bench gateway` end to end on a tiny workload: both sides run, it reports."""
+    model = make_tiny_llama_dir(tmp_path / "tiny")
+    cmd = [
+        sys.executable, "-m", "tokenq.cli", "bench", "gateway", "--model", str(model),
+        "--device", "cpu", "--dtype", "float32", "--num-threads", "1",
+        "--redis-url", redis_url, "--port", str(free_port()), "--requests", "4",
+        "--prompt-len", "8", "--gen", "4", "--latency-requests", "3", "--repeat", "1",
+        "--log", str(tmp_path / "gateway.log"),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "gateway/Client throughput" in out.stdout
+    assert "added TTFT p50" in out.stdout

@@ -65,9 +65,13 @@ def default_queue(keys: Keys) -> str:
 
 def add_raw(conn: redis.Redis, keys: Keys, fields: dict[str, Any]) -> bytes:
     """XADD an entry as a producer that skips the client would: into the test model's
-    default queue, listed in the model's set of queues so workers look there."""
-    conn.zadd(keys.queues(TEST_MODEL), {f"0:{NO_TENANT}": 0})
-    return conn.xadd(default_queue(keys), fields)
+    default queue, listed in the model's set of queues so workers look there. One
+    transaction, as SUBMIT is one script: a worker's TAKE between the two commands would
+    find the queue empty and drop it from the set, and the entry would never be seen."""
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.zadd(keys.queues(TEST_MODEL), {f"0:{NO_TENANT}": 0})
+        pipe.xadd(default_queue(keys), fields)
+        return pipe.execute()[1]
 
 
 def queue_keys(conn: redis.Redis, keys: Keys) -> list[str]:

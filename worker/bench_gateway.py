@@ -145,6 +145,7 @@ def start_gateway(url: str, namespace: str, port: int, log: Path) -> subprocess.
     cmd = [
         sys.executable, "-m", "tokenq.cli", "serve", "--redis-url", url,
         "--namespace", namespace, "--port", str(port),
+        "--request-timeout", "86400",  # a slow machine's run is slow, not late
     ]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -245,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
         f"gateway/Client throughput {through.tokens_per_s / direct.tokens_per_s:.3f}; "
         f"TTFT difference p50 {_added(direct, through, 50)}, p99 {_added(direct, through, 99)}"
     )
+    spread = " ".join(
+        f"{d.tokens_per_s:.1f}/{g.tokens_per_s:.1f}"
+        for d, g in zip(direct_runs, gateway_runs, strict=True)
+    )
+    print(f"every run, Client/gateway tok/s: {spread}")
     # Latency: the run with the lowest median, each side.
     direct = min(direct_alone, key=lambda r: percentile(r.ttft, 50))
     through = min(gateway_alone, key=lambda r: percentile(r.ttft, 50))

@@ -289,7 +289,9 @@ class Worker:
             self._replay = False
         if self._resync:
             self._resync = False
-            self._heartbeat()
+            # The heartbeat that finds jobs lost while Redis was away runs on the publisher
+            # thread: here it could see an entry the publisher has just settled as gone.
+            self._next_heartbeat = 0.0
             self._take_own_pending()
         if self.stopping:
             time.sleep(block)
