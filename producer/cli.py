@@ -245,19 +245,23 @@ def cmd_batch_run(args: argparse.Namespace) -> int:
 
 
 def add_serve(sub: Any) -> None:
-    """`tokenq serve`, the OpenAI API gateway (producer/gateway.py). Without tokenq[serve]
-    the command is still listed, and says what to install."""
-    help = "the OpenAI API over the queue (needs tokenq[serve])"
-    try:
-        from tokenq.producer.batch_api import BatchConfig
-        from tokenq.producer.gateway import GatewayConfig
-    except ImportError as exc:
-        missing = exc.name
-        serve = sub.add_parser("serve", help=help, add_help=False)
-        serve.add_argument("args", nargs=argparse.REMAINDER)
-        serve.set_defaults(run=lambda _: _not_installed(missing))
-        return
-    serve = sub.add_parser("serve", help=help)
+    """`tokenq serve`, the OpenAI API gateway (producer/gateway.py). Its options are parsed
+    by `serve_parser` once the command runs: importing the gateway (fastapi) when any other
+    command builds its parser would cost every command about half a second to start."""
+    serve = sub.add_parser(
+        "serve", help="the OpenAI API over the queue (needs tokenq[serve])", add_help=False
+    )
+    serve.add_argument("args", nargs=argparse.REMAINDER)
+    serve.set_defaults(run=lambda parsed: serve_main(parsed.args))
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    from tokenq.producer.batch_api import BatchConfig
+    from tokenq.producer.gateway import GatewayConfig
+
+    serve = argparse.ArgumentParser(
+        prog="tokenq serve", description="The OpenAI API over the queue."
+    )
     common_options(serve)
     option(serve, "--host", default="127.0.0.1", help="address to listen on")
     option(serve, "--port", type=int, default=8000, help="port to listen on")
@@ -312,7 +316,7 @@ def add_serve(sub: Any) -> None:
         help="seconds between the batch runner's looks at Redis",
     )
     option(serve, "--log-level", default="warning", help="uvicorn's log level")
-    serve.set_defaults(run=cmd_serve)
+    return serve
 
 
 def _not_installed(missing: str | None) -> int:
@@ -320,10 +324,16 @@ def _not_installed(missing: str | None) -> int:
     return EXIT_USAGE
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_main(argv: list[str]) -> int:
+    """`tokenq serve ...` (the dispatcher sends it here before any other parsing)."""
+    try:
+        parser = serve_parser()
+    except ImportError as exc:
+        return _not_installed(exc.name)
     from tokenq.producer.batch_api import BatchConfig
     from tokenq.producer.gateway import GatewayConfig, serve
 
+    args = parser.parse_args(argv)
     config = GatewayConfig(
         redis_url=args.redis_url,
         namespace=args.namespace,

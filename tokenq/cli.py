@@ -46,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv and argv[0] in WORKER_COMMANDS:
             return _worker_command(argv)
+        if argv[:1] == ["serve"]:  # its own parser, built only when it runs
+            return client_cli.serve_main(argv[1:])
         args = build_parser().parse_args(argv)
         return args.run(args)
     except KeyboardInterrupt:
