@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from functools import partial
@@ -184,7 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--latency-requests", type=int, default=32, help="sent one at a time: latency phase"
     )
-    ap.add_argument("--log", type=Path, default=Path("bench-gateway.log"), help="gateway log")
+    ap.add_argument(
+        "--log",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "tokenq-bench-gateway.log",
+        help="the gateway's log",
+    )
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
