@@ -24,6 +24,8 @@ from typing import Any
 
 import redis
 
+from tokenq.producer.client import Client
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -259,6 +261,7 @@ class WorkerProcess:
             "--metrics-interval", "0.5", "--served-model-name", "tiny", *(extra or []),
         ]  # fmt: skip
         self.log = log
+        self.url, self.namespace = url, namespace
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with log.open("w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -269,6 +272,15 @@ class WorkerProcess:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def wait_registered(self, timeout: float = 120) -> None:
+        """Until the registry lists the model it serves ("tiny"), so that clients that
+        require a live worker accept jobs for it; fails with the log if it died first."""
+        with Client(self.url, namespace=self.namespace) as client:
+            deadline = time.monotonic() + timeout
+            while not any(m.id == "tiny" for m in client.models()):
+                assert self.alive() and time.monotonic() < deadline, self.log.read_text()[-3000:]
+                time.sleep(0.2)
 
     def wait_clean_exit(self, timeout: float) -> None:
         assert self.proc.wait(timeout=timeout) == 0, self.log.read_text()[-3000:]

@@ -18,7 +18,6 @@ import redis
 from tests.faults import WorkerProcess
 from tests.helpers import make_tiny_llama_dir
 from tests.test_gateway import GatewayProcess
-from tokenq.producer import Client
 from tokenq.producer.batch import job_id_for
 
 POLL = "0.2"  # the gateways' --batch-poll
@@ -44,11 +43,7 @@ def worker(
     with WorkerProcess(
         model, redis_url, namespace, root / "worker.log", extra=["--max-num-seqs", "32"]
     ) as proc:
-        with Client(redis_url, namespace=namespace) as client:
-            deadline = time.monotonic() + 120
-            while not any(m.id == "tiny" for m in client.models()):
-                assert proc.alive() and time.monotonic() < deadline, proc.log.read_text()[-3000:]
-                time.sleep(0.2)
+        proc.wait_registered()
         yield proc
 
 

@@ -95,11 +95,7 @@ def worker(
     with WorkerProcess(
         model, redis_url, namespace, root / "worker.log", extra=["--max-num-seqs", "32"]
     ) as proc:
-        with Client(redis_url, namespace=namespace) as client:
-            deadline = time.monotonic() + 120
-            while not any(m.id == MODEL for m in client.models()):
-                assert proc.alive() and time.monotonic() < deadline, proc.log.read_text()[-3000:]
-                time.sleep(0.2)
+        proc.wait_registered()
         yield proc
 
 
