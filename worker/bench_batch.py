@@ -27,7 +27,14 @@ from typing import Any
 import redis
 
 from tokenq.producer.client import DEFAULT_REDIS_URL
-from tokenq.worker.bench_queue import BENCH_NAME, RunResult
+from tokenq.worker.bench_queue import (
+    BENCH_NAME,
+    RunResult,
+    add_engine_options,
+    connect,
+    delete_namespace,
+    engine_from,
+)
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.logs import configure_logging
 
@@ -89,20 +96,15 @@ def run_batch(engine: Any, url: str, namespace: str, source: Path, workdir: Path
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tokenq.engine import EngineConfig, LLMEngine
     from tokenq.engine.bench import w1
-    from tokenq.engine.downloads import DEFAULT_MODEL
 
     ap = argparse.ArgumentParser(prog="tokenq bench batch", description=__doc__)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_engine_options(ap)
     ap.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=None)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument(
         "--repeat", type=int, default=2, help="alternate the two sides; keep each side's best"
     )
@@ -110,24 +112,13 @@ def main(argv: list[str] | None = None) -> None:
 
     configure_logging(json=False, level="warning")
     options = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            num_threads=args.num_threads,
-            enable_prefix_caching=False,
-            **options,
-        )
-    )
+    engine = engine_from(args, **options)
     workload = w1(args.requests, args.prompt_len, args.gen)
     prompts = [engine.tokenizer.decode(ids) for ids in workload.prompts]
     params = {"max_tokens": args.gen, "temperature": 0.0}
-    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=1)
-    try:
-        conn.ping()
-    except redis.ConnectionError:
-        raise SystemExit(f"tokenq bench batch: no Redis server at {args.redis_url}") from None
+    conn = connect(
+        args.redis_url, required=f"tokenq bench batch: no Redis server at {args.redis_url}"
+    )
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     directs: list[RunResult] = []
     batches: list[RunResult] = []
@@ -142,9 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                 directs.append(run_direct(engine, prompts, params))
                 batches.append(run_batch(engine, args.redis_url, namespace, source, work))
     finally:
-        keys = list(conn.scan_iter(match=f"{namespace}:*", count=1000))
-        if keys:
-            conn.delete(*keys)
+        delete_namespace(conn, namespace)
         conn.close()
     if len({r.tokens for r in directs + batches}) != 1:
         raise SystemExit(f"the runs generated different token counts: {directs} {batches}")

@@ -22,7 +22,7 @@ from typing import Any
 
 from tokenq.producer.client import DEFAULT_REDIS_URL, Client, make_request
 from tokenq.producer.protocol import DoneEvent, ErrorEvent, TokenEvent
-from tokenq.worker.bench_queue import percentile
+from tokenq.worker.bench_queue import delete_namespace, percentile
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.logs import configure_logging
 
@@ -117,9 +117,7 @@ def run(engine: Any, url: str, work: Workload, mode: str) -> dict[str, Any]:
     finally:
         waiter.join()
         proc.join()
-        keys = list(conn.scan_iter(match=f"{namespace}:*", count=1000))
-        if keys:
-            conn.delete(*keys)
+        delete_namespace(conn, namespace)
     if "error" in outcome:
         raise RuntimeError(outcome["error"])
     return outcome

@@ -22,12 +22,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from tokenq.producer.client import DEFAULT_REDIS_URL, Client, make_request
 from tokenq.producer.gateway import GatewayConfig
 from tokenq.producer.protocol import DoneEvent, ErrorEvent, TokenEvent
-from tokenq.worker.bench_queue import BENCH_NAME, RunResult, percentile, run_queue
+from tokenq.worker.bench_queue import (
+    BENCH_NAME,
+    RunResult,
+    add_engine_options,
+    connect,
+    delete_namespace,
+    engine_from,
+    percentile,
+    run_direct,
+    run_queue,
+)
 from tokenq.worker.logs import configure_logging
 
 
@@ -164,21 +172,15 @@ def start_gateway(url: str, namespace: str, port: int, log: Path) -> subprocess.
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tokenq.engine import EngineConfig, LLMEngine
     from tokenq.engine.bench import w1
-    from tokenq.engine.downloads import DEFAULT_MODEL
-    from tokenq.worker.bench_queue import run_direct
 
     ap = argparse.ArgumentParser(prog="tokenq bench gateway", description=__doc__)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_engine_options(ap)
     ap.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     ap.add_argument("--port", type=int, default=8765, help="the gateway's")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument(
         "--repeat", type=int, default=2, help="alternate the two sides; keep each side's best"
     )
@@ -194,20 +196,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
-    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=1)
-    try:
-        conn.ping()
-    except redis.ConnectionError:
-        sys.exit(f"tokenq bench gateway: no Redis at {args.redis_url} (the gateway needs one)")
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            num_threads=args.num_threads,
-            enable_prefix_caching=False,
-        )
+    conn = connect(
+        args.redis_url,
+        required=f"tokenq bench gateway: no Redis at {args.redis_url} (the gateway needs one)",
     )
+    engine = engine_from(args)
     workload = w1(args.requests, args.prompt_len, args.gen)
     params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.gen}
     warmup = {**params, "max_tokens": 2}
@@ -239,9 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
-        keys = list(conn.scan_iter(match=f"{namespace}:*", count=1000))
-        if keys:
-            conn.delete(*keys)
+        delete_namespace(conn, namespace)
     direct = max(direct_runs, key=lambda r: r.tokens_per_s)
     through = max(gateway_runs, key=lambda r: r.tokens_per_s)
     layers = engine.model_config.num_layers

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -27,6 +27,9 @@ from tokenq.producer.client import DEFAULT_REDIS_URL, Client, make_request
 from tokenq.producer.protocol import DoneEvent, ErrorEvent, TokenEvent
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.logs import configure_logging
+
+if TYPE_CHECKING:
+    from tokenq.engine import LLMEngine
 
 BENCH_NAME = "bench"  # the model name the benchmark's worker serves
 
@@ -158,48 +161,76 @@ def stream_jobs(client: Client, prompts: list[list[int]], params: dict[str, Any]
     return RunResult(time.monotonic() - start, tokens, list(first.values()))
 
 
-def connect(url: str) -> Any:
-    """The given Redis server, or an in-process fakeredis when none answers."""
+def connect(url: str, *, required: str | None = None) -> Any:
+    """The given Redis server. When none answers: an in-process fakeredis, or, for a bench
+    whose other side is a process of its own (the gateway, `tokenq batch run`) and so cannot
+    share one, exit with the message `required`."""
     conn = redis.Redis.from_url(url, socket_connect_timeout=1)
     try:
         conn.ping()
         return conn
     except redis.ConnectionError:
+        if required is not None:
+            raise SystemExit(required) from None
         import fakeredis
 
         print(f"no Redis at {url}: using an in-process fakeredis (slower than a server)")
         return fakeredis.FakeRedis()
 
 
-def main(argv: list[str] | None = None) -> None:
-    from tokenq.engine import EngineConfig, LLMEngine
-    from tokenq.engine.bench import w1
+def delete_namespace(conn: Any, namespace: str) -> None:
+    """Every key a bench left under its namespace: each run takes a fresh random one on a
+    Redis server that may be shared, and leaves nothing behind there."""
+    keys = list(conn.scan_iter(match=f"{namespace}:*", count=1000))
+    if keys:
+        conn.delete(*keys)
+
+
+def add_engine_options(ap: argparse.ArgumentParser) -> None:
+    """The engine flags the benches share (--model, --device, --dtype, --num-threads), so
+    that one command line picks the same engine in each of them."""
     from tokenq.engine.downloads import DEFAULT_MODEL
 
-    ap = argparse.ArgumentParser(prog="tokenq bench queue", description=__doc__)
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
-    ap.add_argument(
-        "--repeat", type=int, default=2, help="alternate the two sides; keep each side's best"
-    )
-    args = ap.parse_args(argv)
 
-    configure_logging(json=False, level="warning")
-    engine = LLMEngine(
+
+def engine_from(args: argparse.Namespace, **options: Any) -> LLMEngine:
+    """The engine of `add_engine_options`' flags, plus any other EngineConfig `options`.
+    Prefix caching is off: the benches send the same prompts more than once (warm-up,
+    repeats), and a later run reusing an earlier run's cache would measure less work."""
+    from tokenq.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(
         EngineConfig(
             model=args.model,
             device=args.device,
             dtype=args.dtype,
             num_threads=args.num_threads,
             enable_prefix_caching=False,
+            **options,
         )
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tokenq.engine.bench import w1
+
+    ap = argparse.ArgumentParser(prog="tokenq bench queue", description=__doc__)
+    add_engine_options(ap)
+    ap.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument(
+        "--repeat", type=int, default=2, help="alternate the two sides; keep each side's best"
+    )
+    args = ap.parse_args(argv)
+
+    configure_logging(json=False, level="warning")
+    engine = engine_from(args)
     workload = w1(args.requests, args.prompt_len, args.gen)
     params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.gen}
     warmup = {**params, "max_tokens": 2}  # every prefill shape once before measuring
@@ -214,9 +245,7 @@ def main(argv: list[str] | None = None) -> None:
             directs.append(run_direct(engine, workload.prompts, params))
             queues.append(run_queue(engine, conn, namespace, workload.prompts, params))
     finally:
-        keys = list(conn.scan_iter(match=f"{namespace}:*", count=1000))
-        if keys:
-            conn.delete(*keys)
+        delete_namespace(conn, namespace)
     direct = max(directs, key=lambda r: r.tokens_per_s)
     queued = max(queues, key=lambda r: r.tokens_per_s)
 
