@@ -275,3 +275,39 @@ def test_a_torn_last_line_is_cut_and_the_done_set_is_compact(
     many = DoneSet(batch._key(f"id-{i}", None) for i in range(50))
     assert list(many.keys) == sorted(many.keys) and len(many) == 50
     assert all(many.answered(f"id-{i}") for i in range(50)) and not many.answered("id-50")
+
+
+def test_a_rerun_after_the_replies_expired_reports_those_lines_and_runs_nothing_again(
+    worker: WorkerProcess, redis_url: str, redis_namespace: str, tmp_path: Path
+) -> None:
+    source = write_batch(tmp_path / "in.jsonl", [request_line(i) for i in range(10)])
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    first = run_batch(redis_url, redis_namespace, source, out, "--errors", str(errors))
+    assert first.returncode == 0, first.stderr[-3000:]
+    # Three answers lost from the results file, and their replies gone from Redis as
+    # they are once the reply TTL passes: nothing is left to follow for them.
+    answers = records(out)
+    kept, lost = answers[:7], answers[7:]
+    out.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    conn = redis.Redis.from_url(redis_url)
+    try:
+        keys = Keys(redis_namespace)
+        assert conn.delete(*(keys.reply(r["response"]["request_id"]) for r in lost)) == 3
+
+        again = run_batch(redis_url, redis_namespace, source, out, "--errors", str(errors))
+        assert again.returncode == 1, again.stderr[-3000:]  # finished, with failed lines
+        assert "0 done, 3 failed, 7 answered before" in again.stderr, again.stderr[-2000:]
+        assert records(out) == kept
+        expired = {r["custom_id"]: r["response"] for r in records(errors)}
+        assert set(expired) == {r["custom_id"] for r in lost}
+        for rec in lost:
+            response = expired[rec["custom_id"]]
+            assert response["request_id"] == rec["response"]["request_id"]
+            assert response["body"]["error"]["code"] == "reply_expired"
+            assert "--batch-id" in response["body"]["error"]["message"]
+        # Not generated again: the worker ran the ten jobs of the first run only.
+        wait_for(lambda: worker_successes(conn, redis_namespace) >= 10, timeout=10)
+        time.sleep(1.2)  # two more metric summaries: a late 11th would show
+        assert worker_successes(conn, redis_namespace) == 10
+    finally:
+        conn.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import sys
 import threading
 import time
 import uuid
@@ -165,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     idle = run(engine, args.redis_url, work, "interactive")
     both = run(engine, args.redis_url, work, "both")
     n = len(both["ttfts"])
+    if n == 0:
+        sys.exit(
+            "tokenq bench fleet: the batch backlog was served before any interactive job was "
+            "sent under load: give it more --batch-jobs or a shorter --interval"
+        )
     print(
         f"{args.batch_jobs} batch jobs ({args.batch_prompt_len}+{args.batch_gen} tokens), "
         f"interactive ({args.interactive_prompt_len}+{args.interactive_gen}) every "
