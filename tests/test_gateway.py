@@ -597,4 +597,5 @@ def test_bench_gateway_runs(tmp_path: Path, redis_url: str) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "gateway/Client throughput" in out.stdout
-    assert "added TTFT p50" in out.stdout
+    assert "added TTFT, median of the pairs" in out.stdout
+    assert "3 requests of 16 tokens + 4 each way" in out.stdout

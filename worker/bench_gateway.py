@@ -6,7 +6,10 @@ and the official `openai` SDK (AsyncOpenAI, every request streamed) through `tok
 (its own process). Each client side runs in a process of its own. Reported: generated
 tokens per second each way and their ratio, and the time to first token (the first token
 with text, from the moment all requests were sent) at the median and p99, with the
-difference the gateway adds. Needs a Redis server: the gateway is another process.
+difference the gateway adds. Then latency: short requests one at a time, each prompt sent
+both ways back to back (in turn first), so that the machine's drift hits both sides of
+each pair alike; the gateway's added time is the median of the pairs' differences.
+Needs a Redis server: the gateway is another process.
 """
 
 from __future__ import annotations
@@ -42,8 +45,6 @@ from tokenq.worker.logs import configure_logging
 def stream_text_jobs(client: Client, prompts: list[list[int]], params: dict[str, Any]) -> RunResult:
     """`Client` side: submit everything at once, then follow every reply stream; TTFT is
     the first token event with text (what the gateway turns into the first chunk)."""
-    if params.get("one_at_a_time"):
-        return _one_at_a_time(client, prompts, params)
     start = time.monotonic()
     jobs = client.submit_many(make_request(prompt_token_ids=ids, **params) for ids in prompts)
     first: dict[str, float] = {}
@@ -58,24 +59,71 @@ def stream_text_jobs(client: Client, prompts: list[list[int]], params: dict[str,
     return RunResult(time.monotonic() - start, tokens, list(first.values()))
 
 
-def _one_at_a_time(client: Client, prompts: list[list[int]], params: dict[str, Any]) -> RunResult:
-    """Each request alone: its TTFT is the path's latency, with no batch to wait for."""
-    params = {k: v for k, v in params.items() if k != "one_at_a_time"}
-    ttft: list[float] = []
-    tokens = 0
-    start = time.monotonic()
-    for ids in prompts:
-        sent = time.monotonic()
-        job = client.submit(prompt_token_ids=ids, **params)
-        first = None
-        for event in job.stream(timeout=600):
-            if first is None and isinstance(event, TokenEvent) and event.text:
-                first = time.monotonic() - sent
-            elif isinstance(event, DoneEvent):
-                tokens += event.usage.completion_tokens
-        if first is not None:
-            ttft.append(first)
-    return RunResult(time.monotonic() - start, tokens, ttft)
+def _client_ttft(client: Client, ids: list[int], params: dict[str, Any]) -> float:
+    """One request through `Client`: seconds from its submit to its first token with text."""
+    sent = time.monotonic()
+    first = None
+    for event in client.submit(prompt_token_ids=ids, **params).stream(timeout=600):
+        if first is None and isinstance(event, TokenEvent) and event.text:
+            first = time.monotonic() - sent
+    if first is None:
+        raise RuntimeError("a latency request produced no text")
+    return first
+
+
+def _sdk_ttft(sdk: Any, ids: list[int], params: dict[str, Any]) -> float:
+    """The same request through the OpenAI SDK and the gateway, streamed."""
+    sent = time.monotonic()
+    first = None
+    stream = sdk.completions.create(
+        model=BENCH_NAME,
+        prompt=ids,
+        max_tokens=params["max_tokens"],
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.monotonic() - sent
+    if first is None:
+        raise RuntimeError("a latency request produced no text")
+    return first
+
+
+def _paired_process(
+    base_url: str,
+    url: str,
+    namespace: str,
+    prompts: list[list[int]],
+    params: dict[str, Any],
+    results: Any,
+) -> None:
+    """Latency: each prompt through `Client` and through the SDK back to back, the first
+    of the two alternating, one request at a time (no batch to wait for)."""
+    import openai
+
+    try:
+        client = Client(
+            url, namespace=namespace, model=BENCH_NAME, require_worker=False,
+            block_ms=GatewayConfig.block_ms,
+        )  # fmt: skip
+        sdk = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+        with client, sdk:
+            while BENCH_NAME not in [m.id for m in sdk.models.list().data]:
+                time.sleep(0.05)
+            pairs = []
+            for i, ids in enumerate(prompts):
+                if i % 2:
+                    through = _sdk_ttft(sdk, ids, params)
+                    direct = _client_ttft(client, ids, params)
+                else:
+                    direct = _client_ttft(client, ids, params)
+                    through = _sdk_ttft(sdk, ids, params)
+                pairs.append((direct, through))
+        results.put({"result": pairs})
+    except BaseException as exc:
+        results.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
 def _client_process(
@@ -107,7 +155,6 @@ async def _sdk_run(base_url: str, prompts: list[list[int]], params: dict[str, An
         start = time.monotonic()
 
         async def one(ids: list[int]) -> tuple[float | None, int]:
-            sent = time.monotonic()
             stream = await sdk.completions.create(
                 model=BENCH_NAME,
                 prompt=ids,
@@ -120,16 +167,12 @@ async def _sdk_run(base_url: str, prompts: list[list[int]], params: dict[str, An
             first, tokens = None, 0
             async for chunk in stream:
                 if first is None and chunk.choices and chunk.choices[0].text:
-                    first = time.monotonic() - (sent if alone else start)
+                    first = time.monotonic() - start
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
             return first, tokens
 
-        alone = bool(params.get("one_at_a_time"))
-        if alone:
-            done = [await one(ids) for ids in prompts]
-        else:
-            done = await asyncio.gather(*(one(ids) for ids in prompts))
+        done = await asyncio.gather(*(one(ids) for ids in prompts))
     seconds = time.monotonic() - start
     return RunResult(seconds, sum(t for _, t in done), [f for f, _ in done if f is not None])
 
@@ -207,13 +250,13 @@ def main(argv: list[str] | None = None) -> None:
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     gateway = start_gateway(args.redis_url, namespace, args.port, args.log)
     sdk_side = partial(_sdk_process, f"http://127.0.0.1:{args.port}")
+    paired_side = partial(_paired_process, f"http://127.0.0.1:{args.port}")
     # Latency: short prompts one at a time, a few tokens each.
     alone_prompts = [ids[:16] for ids in w1(args.latency_requests, 16, 1).prompts]
-    alone = {**params, "max_tokens": 4, "one_at_a_time": True}
+    alone = {**params, "max_tokens": 4}
     direct_runs: list[RunResult] = []
     gateway_runs: list[RunResult] = []
-    direct_alone: list[RunResult] = []
-    gateway_alone: list[RunResult] = []
+    pairs: list[tuple[float, float]] = []
     try:
         run_direct(engine, workload.prompts, warmup)  # every prefill shape once
         run_queue(engine, conn, namespace, workload.prompts, warmup, _client_process)
@@ -225,10 +268,7 @@ def main(argv: list[str] | None = None) -> None:
             gateway_runs.append(
                 run_queue(engine, conn, namespace, workload.prompts, params, sdk_side)
             )
-            direct_alone.append(
-                run_queue(engine, conn, namespace, alone_prompts, alone, _client_process)
-            )
-            gateway_alone.append(run_queue(engine, conn, namespace, alone_prompts, alone, sdk_side))
+            pairs += run_queue(engine, conn, namespace, alone_prompts, alone, paired_side)
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
@@ -248,12 +288,18 @@ def main(argv: list[str] | None = None) -> None:
         for d, g in zip(direct_runs, gateway_runs, strict=True)
     )
     print(f"every run, Client/gateway tok/s: {spread}")
-    # Latency: the run with the lowest median, each side.
-    direct = min(direct_alone, key=lambda r: percentile(r.ttft, 50))
-    through = min(gateway_alone, key=lambda r: percentile(r.ttft, 50))
-    print(f"{args.latency_requests} requests of 16 tokens + 4, one at a time:")
-    _table(direct, through)
-    print(f"added TTFT p50 {_added(direct, through, 50)}, p99 {_added(direct, through, 99)}")
+    print(
+        f"{len(pairs)} requests of 16 tokens + 4 each way, one at a time, in pairs:\n"
+        f"{'':<10}{'TTFT p50':>12}{'TTFT p99':>12}"
+    )
+    for name, ttfts in (("Client", [d for d, _ in pairs]), ("gateway", [g for _, g in pairs])):
+        p50, p99 = percentile(ttfts, 50) * 1000, percentile(ttfts, 99) * 1000
+        print(f"{name:<10}{p50:>10.1f}ms{p99:>10.1f}ms")
+    added = [g - d for d, g in pairs]
+    print(
+        f"added TTFT, median of the pairs' differences {percentile(added, 50) * 1000:+.1f} ms "
+        f"(p99 of them {percentile(added, 99) * 1000:+.1f} ms)"
+    )
 
 
 def _table(direct: RunResult, through: RunResult) -> None:
