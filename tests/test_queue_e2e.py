@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from tests.helpers import DEFAULT_MODEL
+from tests.helpers import DEFAULT_MODEL, make_tiny_llama_dir
 from tests.redis_fixtures import CLIENT
 from tests.test_worker_support import WorkerThread, check_reply, fast_config, make_engine
 from tokenq.engine import SamplingParams
@@ -60,3 +65,23 @@ def test_sixteen_jobs_through_redis_match_the_engine_exactly(
         assert reply.done.finish_reason == expected.finish_reason
     assert "Paris" in replies[jobs[0].id].text
     client.close()
+
+
+def test_bench_queue_reports_both_sides_and_how_busy_the_engine_was(
+    tmp_path: Path, redis_url: str
+) -> None:
+    model = make_tiny_llama_dir(tmp_path / "tiny")
+    cmd = [
+        sys.executable, "-m", "tokenq.cli", "bench", "queue", "--model", str(model),
+        "--num-threads", "1", "--redis-url", redis_url, "--requests", "4",
+        "--prompt-len", "8", "--gen", "4", "--repeat", "1",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "queue/engine throughput" in out.stdout
+    for side in ("engine", "queue"):
+        pattern = rf"^{side}: steps took ([0-9.]+) s of ([0-9.]+) s .*\(([0-9.]+)% stepping\)$"
+        line = re.search(pattern, out.stdout, re.M)
+        assert line is not None, out.stdout
+        stepping, span, share = map(float, line.groups())
+        assert 0 < stepping <= span + 1e-3 and 0 < share <= 100.05

@@ -39,10 +39,44 @@ class RunResult:
     seconds: float
     tokens: int
     ttft: list[float]
+    steps: tuple[float, float] | None = None  # StepClock.read() over the run, where timed
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+
+class StepClock:
+    """Times the engine's steps from the outside (the engine's `step`, wrapped on this
+    instance): how much of a run the engine spent stepping, and how long its steps took.
+    A loop that keeps the engine busy shows a small gap; steps that take longer through
+    the queue than directly show the CPU (or interpreter lock) the Redis side took."""
+
+    def __init__(self, engine: Any) -> None:
+        self.reset()
+        step = engine.step
+
+        def timed() -> Any:
+            began = time.monotonic()
+            try:
+                return step()
+            finally:
+                ended = time.monotonic()
+                self.stepping += ended - began
+                self.first = began if self.first is None else self.first
+                self.last = ended
+
+        engine.step = timed
+
+    def reset(self) -> None:
+        self.stepping = 0.0
+        self.first: float | None = None
+        self.last = 0.0
+
+    def read(self) -> tuple[float, float]:
+        """(seconds stepping, seconds from the first step's start to the last one's end)."""
+        span = 0.0 if self.first is None else self.last - self.first
+        return self.stepping, span
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -238,12 +272,18 @@ def main(argv: list[str] | None = None) -> None:
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     directs: list[RunResult] = []
     queues: list[RunResult] = []
+    clock = StepClock(engine)
     try:
         run_direct(engine, workload.prompts, warmup)
         run_queue(engine, conn, namespace, workload.prompts, warmup)
         for _ in range(args.repeat):  # alternating, so drifting machine load hits both sides
-            directs.append(run_direct(engine, workload.prompts, params))
-            queues.append(run_queue(engine, conn, namespace, workload.prompts, params))
+            for runs, run in ((directs, run_direct), (queues, run_queue)):
+                clock.reset()
+                if run is run_direct:
+                    runs.append(run_direct(engine, workload.prompts, params))
+                else:
+                    runs.append(run_queue(engine, conn, namespace, workload.prompts, params))
+                runs[-1].steps = clock.read()
     finally:
         delete_namespace(conn, namespace)
     direct = max(directs, key=lambda r: r.tokens_per_s)
@@ -263,3 +303,10 @@ def main(argv: list[str] | None = None) -> None:
         f"queue/engine throughput {queued.tokens_per_s / direct.tokens_per_s:.3f}; "
         f"added TTFT p50 {added50 * 1000:+.1f} ms, p99 {added99 * 1000:+.1f} ms"
     )
+    for name, run in (("engine", direct), ("queue", queued)):
+        assert run.steps is not None
+        stepping, span = run.steps
+        print(
+            f"{name}: steps took {stepping:.3f} s of {span:.3f} s from the first step to the "
+            f"last ({stepping / span:.1%} stepping)"
+        )
