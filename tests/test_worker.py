@@ -438,3 +438,14 @@ def test_a_stream_interval_sends_first_tokens_at_once_and_the_rest_in_chunks(
         assert len(tokens[0].token_ids) <= 3
         assert len(tokens) < 200 / 4  # the rest in chunks of several steps
     client.close()
+
+
+def test_the_stream_interval_comes_from_a_flag_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tokenq.worker.cli import build_parser, worker_kwargs
+
+    flag = build_parser().parse_args(["worker", "--stream-interval", "0.1"])
+    assert worker_kwargs(flag)["stream_interval_s"] == 0.1
+    monkeypatch.setenv("TOKENQ_STREAM_INTERVAL", "0.25")
+    assert worker_kwargs(build_parser().parse_args(["worker"]))["stream_interval_s"] == 0.25

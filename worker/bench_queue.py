@@ -106,13 +106,17 @@ def run_queue(
     prompts: list[list[int]],
     params: dict[str, Any],
     client_process: Callable[..., None] | None = None,
+    **worker_options: Any,
 ) -> RunResult:
     """The worker runs in the main thread, as `tokenq worker` does; the client beside it.
     `client_process(url, namespace, prompts, params, results)` is the client's side when
-    not tokenq's own Client (`tokenq bench gateway` puts the OpenAI SDK there)."""
+    not tokenq's own Client (`tokenq bench gateway` puts the OpenAI SDK there);
+    `worker_options`: WorkerConfig fields."""
     from tokenq.worker.loop import Worker
 
-    config = WorkerConfig(namespace=namespace, block_ms=5, served_names=(BENCH_NAME,))
+    config = WorkerConfig(
+        namespace=namespace, block_ms=5, served_names=(BENCH_NAME,), **worker_options
+    )
     worker = Worker(engine, conn, config)
     outcome: dict[str, Any] = {}
     url = _url_of(conn)
@@ -261,11 +265,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--repeat", type=int, default=2, help="alternate the two sides; keep each side's best"
     )
+    ap.add_argument(
+        "--stream-interval",
+        type=float,
+        default=WorkerConfig.stream_interval_s,
+        help="the worker's (tokenq worker --stream-interval)",
+    )
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
     engine = engine_from(args)
     workload = w1(args.requests, args.prompt_len, args.gen)
+    interval = {"stream_interval_s": args.stream_interval}
     params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.gen}
     warmup = {**params, "max_tokens": 2}  # every prefill shape once before measuring
     conn = connect(args.redis_url)
@@ -275,14 +286,16 @@ def main(argv: list[str] | None = None) -> None:
     clock = StepClock(engine)
     try:
         run_direct(engine, workload.prompts, warmup)
-        run_queue(engine, conn, namespace, workload.prompts, warmup)
+        run_queue(engine, conn, namespace, workload.prompts, warmup, **interval)
         for _ in range(args.repeat):  # alternating, so drifting machine load hits both sides
             for runs, run in ((directs, run_direct), (queues, run_queue)):
                 clock.reset()
                 if run is run_direct:
                     runs.append(run_direct(engine, workload.prompts, params))
                 else:
-                    runs.append(run_queue(engine, conn, namespace, workload.prompts, params))
+                    runs.append(
+                        run_queue(engine, conn, namespace, workload.prompts, params, **interval)
+                    )
                 runs[-1].steps = clock.read()
     finally:
         delete_namespace(conn, namespace)
@@ -291,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(
         f"{workload.name}, {engine.model_config.num_layers}-layer model on {engine.device}, "
-        f"best of {args.repeat}"
+        f"stream interval {args.stream_interval} s, best of {args.repeat}"
     )
     print(f"{'':<10}{'tok/s':>10}{'TTFT p50':>12}{'TTFT p99':>12}")
     for name, run in (("engine", direct), ("queue", queued)):

@@ -47,6 +47,12 @@ WORKER_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "max_deliveries": ("--max-deliveries", int, "dead-letter after this many deliveries"),
     "grace_period_s": ("--grace-period", float, "seconds to drain on stop"),
     "reply_ttl_s": ("--reply-ttl", int, "reply stream TTL after the end"),
+    "stream_interval_s": (
+        "--stream-interval",
+        float,
+        "seconds between a job's token events after its first; longer costs Redis, clients "
+        "and the engine less per token (0: every step)",
+    ),
     "metrics_interval_s": ("--metrics-interval", float, "seconds between metrics publishes"),
     "registry_interval_s": (
         "--registry-interval",
