@@ -351,6 +351,33 @@ def test_thousands_of_hostile_entries_interleaved_with_good_jobs(
     client.close()
 
 
+def test_a_bad_entry_naming_a_good_job_taken_with_it_leaves_that_job_alone(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    conn, keys = client.redis, client.keys
+    good = Run.submit(client, 1, 6)
+    # Right behind the good job's entry, in the same queue: a broken entry with its id, then
+    # more broken entries, so that the worker's first take delivers them all at once and
+    # the bad ones take a while to refuse before the good one starts.
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.zadd(keys.queues(TEST_MODEL), {f"0:{NO_TENANT}": 0})
+        pipe.xadd(default_queue(keys), wire({"data": b""}, good.jobs[0].id))
+        for i in range(40):
+            pipe.xadd(default_queue(keys), wire({"data": b"\xc1"}, f"broken-{i}"))
+        pipe.execute()
+    worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
+    with WorkerThread(worker):
+        wait_for(lambda: good.jobs[0].status() in ("done", "error"), timeout=30)
+        wait_for(lambda: len(dead_letters(conn, keys)) == 41, timeout=30)
+    good.check(tiny_model)
+    dead = dead_letters(conn, keys)[0]
+    assert dead["code"] == b"invalid_payload" and dead["job_id"] == good.jobs[0].id.encode()
+    client.close()
+
+
 # -- smaller ones -------------------------------------------------------------------------
 
 

@@ -82,6 +82,7 @@ class InFlight:
     delivery: Taken  # the entry as delivered: settled with the job, its dead letter if fails
     continuation: Continuation
     next_seq: int  # the reply stream sequence id of outbox[0]
+    backlog: str | None  # its lane's backlog counter (named in every publish: parsed once)
     outbox: list[Event] = field(default_factory=list)  # events not yet published
     sent: int = 0  # how many of them a publish call has carried (answer pending or lost)
     status: str = ""  # the job key's next value, sent with the outbox
@@ -370,16 +371,20 @@ class Worker:
             self._take(unknown)
 
     def _take(self, taken: list[Taken]) -> None:
-        """Parse delivered entries: reject the bad, start the good."""
+        """Parse delivered entries: start the good, then reject the bad. In that order: a
+        bad entry naming the job of a good one in the same delivery then finds that job
+        held (START took its owner key) and leaves its reply alone, instead of ending it
+        with an error before its own entry starts it."""
         with self._lock:
             running = {inf.delivery.entry_id for inf in self.in_flight.values()}
         candidates: list[tuple[Taken, JobRequest]] = []
+        rejected: list[tuple[Taken, Rejection]] = []
         c = self.config
         for delivery in taken:
             if delivery.entry_id in running:
                 continue
             if delivery.fields is None:
-                self._reject(delivery, lost_payload())
+                rejected.append((delivery, lost_payload()))
                 continue
             parsed = parse_entry(delivery.fields, delivery.count, c.max_deliveries, c.limits)
             if isinstance(parsed, JobRequest):
@@ -390,17 +395,23 @@ class Worker:
                     continue
                 parsed = check_model(parsed, frozenset(c.served_names)) or parsed
             if isinstance(parsed, Rejection):
-                self._reject(delivery, parsed)
+                rejected.append((delivery, parsed))
             else:
                 candidates.append((delivery, parsed))
         if candidates:
             self._start(candidates)
+        for delivery, rejection in rejected:
+            self._reject(delivery, rejection)
 
     def _item(self, mode: str, delivery: Taken, job_id: str | None, **fields: Any) -> Item:
         """A PUBLISH item for an entry, with the backlog counter of its lane."""
-        queue = self.keys.parse_queue(delivery.stream.decode())
-        backlog = None if queue is None else self.keys.backlog(queue[0], lane_of(queue[1]))
+        backlog = self._backlog(delivery)
         return Item(mode, delivery.stream, delivery.entry_id, job_id, backlog=backlog, **fields)
+
+    def _backlog(self, delivery: Taken) -> str | None:
+        """The backlog counter of the lane an entry came from (None: protocol 1's stream)."""
+        queue = self.keys.parse_queue(delivery.stream.decode())
+        return None if queue is None else self.keys.backlog(queue[0], lane_of(queue[1]))
 
     def _start(self, candidates: list[tuple[Taken, JobRequest]]) -> None:
         """Take the owner key and read what the reply stream already holds (one script):
@@ -462,6 +473,7 @@ class Worker:
             delivery,
             Continuation(history, job.params.get("logprobs") is not None),
             next_seq,
+            self._backlog(delivery),
         )
         with self._lock:
             self.in_flight[jid] = inf
@@ -658,14 +670,16 @@ class Worker:
             for inf, outbox, _ in jobs:
                 inf.sent = len(outbox)
         items = [
-            self._item(
+            Item(
                 "run",
-                inf.delivery,
+                inf.delivery.stream,
+                inf.delivery.entry_id,
                 inf.job.job_id,
                 first_seq=inf.next_seq,
                 status=status,
                 events=[event_arg(ev) for ev in outbox],
                 dead=inf.dead,
+                backlog=inf.backlog,
             )
             for inf, outbox, status in jobs
         ]
