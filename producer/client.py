@@ -182,7 +182,9 @@ def _prepare(requests: Iterable[JobRequest], limits: Limits) -> list[JobRequest]
 
 # Queue jobs, atomically: all of them, or none when a lane is full. An id already taken
 # (the job key exists) is a duplicate and adds nothing: job ids are idempotency keys, and a
-# submit re-sent after a lost answer finds its own jobs this way.
+# submit re-sent after a lost answer finds its own jobs this way. Each job's own entry id
+# is recorded, so that a worker refusing some other entry that names the job (a broken or
+# forged one) leaves the queued job alone.
 #   ARGV: namespace, job ttl, the lane caps (interactive, default, batch), then per job:
 #         id, model, priority, tenant, lane, protocol version, payload
 #   ->    {"ok", {1 if duplicate else 0, ...}} or {"full", lane, backlog, cap, model}
@@ -213,8 +215,9 @@ for _, b in ipairs(fresh) do
   local jid, model, prio, tenant, lane = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]
   redis.call('SET', ns .. ':job:' .. jid, 'queued', 'EX', ttl)
   redis.call('ZADD', ns .. ':queues:' .. model, prio, prio .. ':' .. tenant)
-  redis.call('XADD', ns .. ':jobs:' .. model .. ':' .. prio .. ':' .. tenant, '*',
-             'v', ARGV[b + 5], 'id', jid, 'data', ARGV[b + 6])
+  local eid = redis.call('XADD', ns .. ':jobs:' .. model .. ':' .. prio .. ':' .. tenant, '*',
+                        'v', ARGV[b + 5], 'id', jid, 'data', ARGV[b + 6])
+  redis.call('SET', ns .. ':entry:' .. jid, eid, 'EX', ttl)
   redis.call('INCR', ns .. ':backlog:' .. model .. ':' .. lane)
   if not rung[model] then
     redis.call('XADD', ns .. ':bell:' .. model, 'MAXLEN', '1', '*', 'b', '1')

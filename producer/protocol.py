@@ -202,6 +202,10 @@ class Keys:
     def owner(self, job_id: str) -> str:
         return f"{self.namespace}:owner:{job_id}"
 
+    def entry(self, job_id: str) -> str:
+        """The id of the job's own queue entry, while it is queued."""
+        return f"{self.namespace}:entry:{job_id}"
+
     def metrics(self, consumer: str) -> str:
         return f"{self.namespace}:metrics:{consumer}"
 

@@ -378,6 +378,31 @@ def test_a_bad_entry_naming_a_good_job_taken_with_it_leaves_that_job_alone(
     client.close()
 
 
+def test_a_broken_entry_borrowing_a_queued_jobs_id_leaves_that_job_alone(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    conn, keys = client.redis, client.keys
+    good = Run.submit(client, 1, 6)  # waits in the default lane
+    # A broken entry with the good job's id in the interactive lane: taken first, refused,
+    # dead-lettered; the job it names is not its own (SUBMIT recorded the job's entry).
+    interactive = keys.queue(TEST_MODEL, -1, NO_TENANT)
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.zadd(keys.queues(TEST_MODEL), {f"-1:{NO_TENANT}": -1})
+        pipe.xadd(interactive, wire({"data": b""}, good.jobs[0].id))
+        pipe.execute()
+    worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
+    with WorkerThread(worker):
+        wait_for(lambda: good.jobs[0].status() in ("done", "error"), timeout=30)
+    good.check(tiny_model)
+    [dead] = dead_letters(conn, keys)
+    assert dead["code"] == b"invalid_payload" and dead["stream"] == interactive.encode()
+    assert conn.exists(keys.entry(good.jobs[0].id)) == 0  # gone with the job's end
+    client.close()
+
+
 # -- smaller ones -------------------------------------------------------------------------
 
 

@@ -336,7 +336,7 @@ def test_a_worker_holds_no_more_jobs_than_its_engine_admits(
 ) -> None:
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
-    jobs = client.submit_many(make_request(f"job {i}", max_tokens=40, **GREEDY) for i in range(6))
+    jobs = client.submit_many(make_request(f"job {i}", max_tokens=40, **GREEDY) for i in range(12))
     held = []
     with WorkerThread(
         Worker(make_engine(tiny_model, max_num_seqs=2), conn, fast_config(redis_namespace))
@@ -344,7 +344,10 @@ def test_a_worker_holds_no_more_jobs_than_its_engine_admits(
         while not all(j.status() == "done" for j in jobs):
             held.append(len(pending(conn, keys)))
             time.sleep(0.005)
-    assert max(held) == 2  # the other four stayed in the stream for any worker to take
+    # The engine's two, and at most two more: jobs the engine has finished whose ends are
+    # still being published when their slots are refilled (the engine does not wait for
+    # Redis). The other eight stay in the stream for any worker to take.
+    assert 2 <= max(held) <= 4, held
 
 
 def test_a_live_worker_keeps_its_long_job_from_other_workers(

@@ -67,7 +67,8 @@ return out
 # mode "settle": an entry that ends without running (rejected, duplicate, cancelled before
 #   it started). Guarded by the entry still being pending for this consumer (else gone:
 #   settled already, or reclaimed by another worker). Its event is written only if the job
-#   has not ended and runs nowhere (else kept): one terminal event per job, always. With
+#   has not ended, runs nowhere and, while queued, this is its own entry (the one SUBMIT
+#   recorded; else kept): one terminal event per job, always. With
 #   release "1" the entry is one this worker took the job for (the owner key is ours and
 #   ends with it); without, a job whose owner key is ours runs here from another entry.
 # mode "orphan": an entry that Redis already dropped from the pending list (XAUTOCLAIM
@@ -142,7 +143,7 @@ while a <= #ARGV do
       elseif status ~= '' then
         redis.call('EXPIRE', reply, reply_ttl)
         redis.call('SET', job, status, 'XX', 'KEEPTTL')
-        redis.call('DEL', owner, cancel)
+        redis.call('DEL', owner, cancel, ns .. ':entry:' .. jid)
         ack(stream, entry, backlog)
         add_dead(dl, ndead)
       end
@@ -160,13 +161,16 @@ while a <= #ARGV do
     if nev > 0 and jid ~= '-' then
       local state = redis.call('GET', job)
       local elsewhere = holder and (holder ~= token or release ~= '1')
-      if state == 'done' or state == 'error' or elsewhere then
+      -- a job still queued whose own entry is another: this entry only borrows its id
+      local own = redis.call('GET', ns .. ':entry:' .. jid)
+      local borrowed = not holder and own and own ~= entry
+      if state == 'done' or state == 'error' or elsewhere or borrowed then
         outcome = 'k'
       else
         append(reply, last_seq(reply) + 1, ev, nev)
         redis.call('EXPIRE', reply, reply_ttl)
         if status ~= '' then redis.call('SET', job, status, 'XX', 'KEEPTTL') end
-        redis.call('DEL', cancel)
+        redis.call('DEL', cancel, ns .. ':entry:' .. jid)
       end
     end
     if release == '1' and holder == token then redis.call('DEL', owner) end
