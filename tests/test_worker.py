@@ -452,3 +452,21 @@ def test_the_stream_interval_comes_from_a_flag_or_the_environment(
     assert worker_kwargs(flag)["stream_interval_s"] == 0.1
     monkeypatch.setenv("TOKENQ_STREAM_INTERVAL", "0.25")
     assert worker_kwargs(build_parser().parse_args(["worker"]))["stream_interval_s"] == 0.25
+
+
+def test_the_demo_runs_its_jobs_through_an_embedded_fakeredis_at_once(tmp_path: Path) -> None:
+    """`tokenq demo` (make demo): the worker and client on an in-process fakeredis, whose
+    Lua answers some commands in other shapes than Redis; its jobs are taken at once, not
+    after the 60 s in which a stuck entry would be reclaimed."""
+    import subprocess
+    import sys
+
+    from tests.helpers import make_tiny_llama_dir
+
+    model = make_tiny_llama_dir(tmp_path / "tiny")
+    cmd = [sys.executable, "-m", "tokenq.cli", "demo", "--model", str(model), "--max-tokens", "4"]
+    started = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "4 jobs," in out.stdout and "Traceback" not in out.stderr
+    assert time.monotonic() - started < 45

@@ -82,10 +82,13 @@ def run_demo(model: str = DEFAULT_MODEL, max_tokens: int = 48) -> int:
     client = Client(fakeredis.FakeRedis(server=server), namespace="demo", model=DEMO_NAME)
     start = time.monotonic()
     jobs = client.submit_many(
-        make_request(
-            messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0
-        )
-        for p in PROMPTS
+        (
+            make_request(
+                messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0
+            )
+            for p in PROMPTS
+        ),
+        queue_anyway=True,  # the worker thread may not have registered yet
     )
     print(f"submitted {len(jobs)} jobs; one worker batches them together:")
     for i, prompt in enumerate(PROMPTS):

@@ -226,6 +226,14 @@ end
 local function lane(prio)
   if prio < 0 then return 1 elseif prio == 0 then return 2 else return 3 end
 end
+
+-- The entries of a one-stream XREADGROUP reply: {{key, entries}}, or nil when there are
+-- none; fakeredis (the demo) answers {key, entries}, or an empty table.
+local function entries_of(got)
+  if not got or #got == 0 then return {} end
+  if type(got[1]) == 'string' then return got[2] or {} end
+  return got[1][2] or {}
+end
 """
 
 # Take entries for the engine's free slots, in the order docs/protocol.md promises: a lane
@@ -255,8 +263,7 @@ local function read(q, count)
     got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', count,
                      'STREAMS', q.key, '>')
   end
-  if not got then return {} end
-  return got[1][2]
+  return entries_of(got)
 end
 
 -- When the oldest entry not yet delivered was added (ms), or nil.
@@ -391,7 +398,7 @@ for _, q in ipairs(queues(ns, names)) do
     if mode == 'replay' then
       local got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 10000,
                              'STREAMS', q.key, '0')
-      for _, entry in ipairs(got[1][2]) do
+      for _, entry in ipairs(entries_of(got)) do
         out[#out + 1] = {q.key, entry[1], counts[entry[1]] + 1, entry[2] or false}
       end
     else
