@@ -59,6 +59,27 @@ def stream_text_jobs(client: Client, prompts: list[list[int]], params: dict[str,
     return RunResult(time.monotonic() - start, tokens, list(first.values()))
 
 
+def _bench_client(url: str, namespace: str) -> Client:
+    """The `Client` side, with the gateway's reader settings, so that only the HTTP path
+    differs."""
+    return Client(
+        url, namespace=namespace, model=BENCH_NAME, require_worker=False,
+        block_ms=GatewayConfig.block_ms,
+    )  # fmt: skip
+
+
+def _completion(ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    """The SDK's arguments for the same request as `Client`'s, streamed."""
+    return {
+        "model": BENCH_NAME,
+        "prompt": ids,
+        "max_tokens": params["max_tokens"],
+        "temperature": 0,
+        "stream": True,
+        "extra_body": {"ignore_eos": True},
+    }
+
+
 def _client_ttft(client: Client, ids: list[int], params: dict[str, Any]) -> float:
     """One request through `Client`: seconds from its submit to its first token with text."""
     sent = time.monotonic()
@@ -75,15 +96,7 @@ def _sdk_ttft(sdk: Any, ids: list[int], params: dict[str, Any]) -> float:
     """The same request through the OpenAI SDK and the gateway, streamed."""
     sent = time.monotonic()
     first = None
-    stream = sdk.completions.create(
-        model=BENCH_NAME,
-        prompt=ids,
-        max_tokens=params["max_tokens"],
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    for chunk in stream:
+    for chunk in sdk.completions.create(**_completion(ids, params)):
         if first is None and chunk.choices and chunk.choices[0].text:
             first = time.monotonic() - sent
     if first is None:
@@ -104,10 +117,7 @@ def _paired_process(
     import openai
 
     try:
-        client = Client(
-            url, namespace=namespace, model=BENCH_NAME, require_worker=False,
-            block_ms=GatewayConfig.block_ms,
-        )  # fmt: skip
+        client = _bench_client(url, namespace)
         sdk = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
         with client, sdk:
             while BENCH_NAME not in [m.id for m in sdk.models.list().data]:
@@ -130,15 +140,7 @@ def _client_process(
     url: str, namespace: str, prompts: list[list[int]], params: dict[str, Any], results: Any
 ) -> None:
     try:
-        # The gateway's reader settings, so that only the HTTP path differs.
-        client = Client(
-            url,
-            namespace=namespace,
-            model=BENCH_NAME,
-            require_worker=False,
-            block_ms=GatewayConfig.block_ms,
-        )
-        with client:
+        with _bench_client(url, namespace) as client:
             results.put({"result": stream_text_jobs(client, prompts, params)})
     except BaseException as exc:
         results.put({"error": f"{type(exc).__name__}: {exc}"})
@@ -156,13 +158,7 @@ async def _sdk_run(base_url: str, prompts: list[list[int]], params: dict[str, An
 
         async def one(ids: list[int]) -> tuple[float | None, int]:
             stream = await sdk.completions.create(
-                model=BENCH_NAME,
-                prompt=ids,
-                max_tokens=params["max_tokens"],
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
+                **_completion(ids, params), stream_options={"include_usage": True}
             )
             first, tokens = None, 0
             async for chunk in stream:

@@ -39,7 +39,7 @@ class RunResult:
     seconds: float
     tokens: int
     ttft: list[float]
-    steps: tuple[float, float] | None = None  # StepClock.read() over the run, where timed
+    steps: tuple[float, float] | None = None  # from StepClock.time, where the run was timed
 
     @property
     def tokens_per_s(self) -> float:
@@ -53,7 +53,7 @@ class StepClock:
     the queue than directly show the CPU (or interpreter lock) the Redis side took."""
 
     def __init__(self, engine: Any) -> None:
-        self.reset()
+        self._reset()
         step = engine.step
 
         def timed() -> Any:
@@ -68,15 +68,19 @@ class StepClock:
 
         engine.step = timed
 
-    def reset(self) -> None:
+    def _reset(self) -> None:
         self.stepping = 0.0
         self.first: float | None = None
         self.last = 0.0
 
-    def read(self) -> tuple[float, float]:
-        """(seconds stepping, seconds from the first step's start to the last one's end)."""
+    def time(self, run: Callable[[], RunResult]) -> RunResult:
+        """`run()`, its result carrying (seconds stepping, seconds from the first step's
+        start to the last one's end) as `steps`."""
+        self._reset()
+        result = run()
         span = 0.0 if self.first is None else self.last - self.first
-        return self.stepping, span
+        result.steps = (self.stepping, span)
+        return result
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -288,15 +292,12 @@ def main(argv: list[str] | None = None) -> None:
         run_direct(engine, workload.prompts, warmup)
         run_queue(engine, conn, namespace, workload.prompts, warmup, **interval)
         for _ in range(args.repeat):  # alternating, so drifting machine load hits both sides
-            for runs, run in ((directs, run_direct), (queues, run_queue)):
-                clock.reset()
-                if run is run_direct:
-                    runs.append(run_direct(engine, workload.prompts, params))
-                else:
-                    runs.append(
-                        run_queue(engine, conn, namespace, workload.prompts, params, **interval)
-                    )
-                runs[-1].steps = clock.read()
+            directs.append(clock.time(lambda: run_direct(engine, workload.prompts, params)))
+            queues.append(
+                clock.time(
+                    lambda: run_queue(engine, conn, namespace, workload.prompts, params, **interval)
+                )
+            )
     finally:
         delete_namespace(conn, namespace)
     direct = max(directs, key=lambda r: r.tokens_per_s)
