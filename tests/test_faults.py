@@ -362,12 +362,9 @@ def test_a_bad_entry_naming_a_good_job_taken_with_it_leaves_that_job_alone(
     # Right behind the good job's entry, in the same queue: a broken entry with its id, then
     # more broken entries, so that the worker's first take delivers them all at once and
     # the bad ones take a while to refuse before the good one starts.
-    with conn.pipeline(transaction=True) as pipe:
-        pipe.zadd(keys.queues(TEST_MODEL), {f"0:{NO_TENANT}": 0})
-        pipe.xadd(default_queue(keys), wire({"data": b""}, good.jobs[0].id))
-        for i in range(40):
-            pipe.xadd(default_queue(keys), wire({"data": b"\xc1"}, f"broken-{i}"))
-        pipe.execute()
+    add_raw(conn, keys, wire({"data": b""}, good.jobs[0].id))
+    for i in range(40):
+        add_raw(conn, keys, wire({"data": b"\xc1"}, f"broken-{i}"))
     worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
     with WorkerThread(worker):
         wait_for(lambda: good.jobs[0].status() in ("done", "error"), timeout=30)
@@ -386,18 +383,20 @@ def test_a_broken_entry_borrowing_a_queued_jobs_id_leaves_that_job_alone(
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
     good = Run.submit(client, 1, 6)  # waits in the default lane
-    # A broken entry with the good job's id in the interactive lane: taken first, refused,
-    # dead-lettered; the job it names is not its own (SUBMIT recorded the job's entry).
-    interactive = keys.queue(TEST_MODEL, -1, NO_TENANT)
-    with conn.pipeline(transaction=True) as pipe:
-        pipe.zadd(keys.queues(TEST_MODEL), {f"-1:{NO_TENANT}": -1})
-        pipe.xadd(interactive, wire({"data": b""}, good.jobs[0].id))
-        pipe.execute()
-    worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
+    # A broken entry with the good job's id in the interactive lane: taken first and alone
+    # (one slot), refused and dead-lettered while the good job still waits; the job it
+    # names is not its own (SUBMIT recorded the job's entry).
+    add_raw(conn, keys, wire({"data": b""}, good.jobs[0].id), priority=-1)
+    engine = make_engine(tiny_model, max_num_seqs=1)
+    worker = Worker(engine, conn, fast_config(redis_namespace))
+    worker.run_once()  # intake, engine, publisher once: the refusal is published
+    assert len(dead_letters(conn, keys)) == 1
+    assert good.jobs[0].status() == "queued"
     with WorkerThread(worker):
         wait_for(lambda: good.jobs[0].status() in ("done", "error"), timeout=30)
     good.check(tiny_model)
     [dead] = dead_letters(conn, keys)
+    interactive = keys.queue(TEST_MODEL, -1, NO_TENANT)
     assert dead["code"] == b"invalid_payload" and dead["stream"] == interactive.encode()
     assert conn.exists(keys.entry(good.jobs[0].id)) == 0  # gone with the job's end
     client.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 import redis
 import structlog
 
+from tests.helpers import make_tiny_llama_dir
 from tests.redis_fixtures import CLIENT
 from tests.test_worker_support import (
     WorkerThread,
@@ -29,6 +32,7 @@ from tests.test_worker_support import (
 from tokenq import cli
 from tokenq.producer.client import Client, make_request
 from tokenq.producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
+from tokenq.worker.cli import build_parser, worker_kwargs
 from tokenq.worker.logs import configure_logging
 from tokenq.worker.loop import Worker
 
@@ -446,8 +450,6 @@ def test_a_stream_interval_sends_first_tokens_at_once_and_the_rest_in_chunks(
 def test_the_stream_interval_comes_from_a_flag_or_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tokenq.worker.cli import build_parser, worker_kwargs
-
     flag = build_parser().parse_args(["worker", "--stream-interval", "0.1"])
     assert worker_kwargs(flag)["stream_interval_s"] == 0.1
     monkeypatch.setenv("TOKENQ_STREAM_INTERVAL", "0.25")
@@ -458,11 +460,6 @@ def test_the_demo_runs_its_jobs_through_an_embedded_fakeredis_at_once(tmp_path: 
     """`tokenq demo` (make demo): the worker and client on an in-process fakeredis, whose
     Lua answers some commands in other shapes than Redis; its jobs are taken at once, not
     after the 60 s in which a stuck entry would be reclaimed."""
-    import subprocess
-    import sys
-
-    from tests.helpers import make_tiny_llama_dir
-
     model = make_tiny_llama_dir(tmp_path / "tiny")
     cmd = [sys.executable, "-m", "tokenq.cli", "demo", "--model", str(model), "--max-tokens", "4"]
     started = time.monotonic()

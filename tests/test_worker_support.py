@@ -63,14 +63,15 @@ def default_queue(keys: Keys) -> str:
     return keys.queue(TEST_MODEL, 0, NO_TENANT)
 
 
-def add_raw(conn: redis.Redis, keys: Keys, fields: dict[str, Any]) -> bytes:
+def add_raw(conn: redis.Redis, keys: Keys, fields: dict[str, Any], priority: int = 0) -> bytes:
     """XADD an entry as a producer that skips the client would: into the test model's
-    default queue, listed in the model's set of queues so workers look there. One
-    transaction, as SUBMIT is one script: a worker's TAKE between the two commands would
-    find the queue empty and drop it from the set, and the entry would never be seen."""
+    queue of that priority (no tenant), listed in the model's set of queues so workers look
+    there. One transaction, as SUBMIT is one script: a worker's TAKE between the two
+    commands would find the queue empty and drop it from the set, and the entry would
+    never be seen."""
     with conn.pipeline(transaction=True) as pipe:
-        pipe.zadd(keys.queues(TEST_MODEL), {f"0:{NO_TENANT}": 0})
-        pipe.xadd(default_queue(keys), fields)
+        pipe.zadd(keys.queues(TEST_MODEL), {f"{priority}:{NO_TENANT}": priority})
+        pipe.xadd(keys.queue(TEST_MODEL, priority, NO_TENANT), fields)
         return pipe.execute()[1]
 
 
