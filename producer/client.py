@@ -215,9 +215,10 @@ for _, b in ipairs(fresh) do
   local jid, model, prio, tenant, lane = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]
   redis.call('SET', ns .. ':job:' .. jid, 'queued', 'EX', ttl)
   redis.call('ZADD', ns .. ':queues:' .. model, prio, prio .. ':' .. tenant)
-  local eid = redis.call('XADD', ns .. ':jobs:' .. model .. ':' .. prio .. ':' .. tenant, '*',
-                        'v', ARGV[b + 5], 'id', jid, 'data', ARGV[b + 6])
-  redis.call('SET', ns .. ':entry:' .. jid, eid, 'EX', ttl)
+  local queue = ns .. ':jobs:' .. model .. ':' .. prio .. ':' .. tenant
+  local eid = redis.call('XADD', queue, '*', 'v', ARGV[b + 5], 'id', jid, 'data', ARGV[b + 6])
+  -- entry ids are unique only within a stream: the queue is part of the record
+  redis.call('SET', ns .. ':entry:' .. jid, queue .. ' ' .. eid, 'EX', ttl)
   redis.call('INCR', ns .. ':backlog:' .. model .. ':' .. lane)
   if not rung[model] then
     redis.call('XADD', ns .. ':bell:' .. model, 'MAXLEN', '1', '*', 'b', '1')

@@ -203,7 +203,7 @@ class Keys:
         return f"{self.namespace}:owner:{job_id}"
 
     def entry(self, job_id: str) -> str:
-        """The id of the job's own queue entry, while it is queued."""
+        """The job's own queue entry (`<queue key> <entry id>`), while it is queued."""
         return f"{self.namespace}:entry:{job_id}"
 
     def metrics(self, consumer: str) -> str:

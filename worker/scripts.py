@@ -163,7 +163,7 @@ while a <= #ARGV do
       local elsewhere = holder and (holder ~= token or release ~= '1')
       -- a job still queued whose own entry is another: this entry only borrows its id
       local own = redis.call('GET', ns .. ':entry:' .. jid)
-      local borrowed = not holder and own and own ~= entry
+      local borrowed = not holder and own and own ~= stream .. ' ' .. entry
       if state == 'done' or state == 'error' or elsewhere or borrowed then
         outcome = 'k'
       else
