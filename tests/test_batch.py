@@ -172,7 +172,10 @@ def test_a_batch_killed_halfway_resumes_without_generating_anything_twice(
 def test_ctrl_c_stops_the_command_cleanly_and_the_same_command_resumes(
     worker: WorkerProcess, redis_url: str, redis_namespace: str, tmp_path: Path
 ) -> None:
-    source = write_batch(tmp_path / "in.jsonl", [request_line(i) for i in range(300)])
+    # Longer answers than the other tests' so that the interrupt lands while most of the
+    # batch is still to come (with 4-token answers the whole batch takes about two seconds).
+    lines = [request_line(i, max_tokens=16) for i in range(300)]
+    source = write_batch(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     cmd = batch_cmd(redis_url, redis_namespace, source, out)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -183,7 +186,7 @@ def test_ctrl_c_stops_the_command_cleanly_and_the_same_command_resumes(
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == 130, (len(records(out)), err[-2000:])
     assert "interrupted; run the same command to resume" in err and "Traceback" not in err
     resumed = run_batch(redis_url, redis_namespace, source, out)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
