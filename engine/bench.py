@@ -23,7 +23,7 @@ from tokenq.engine.downloads import DEFAULT_MODEL
 from tokenq.engine.hf_reference import build_hf_model, greedy_config, require_transformers
 from tokenq.engine.llm import LLM
 from tokenq.engine.sampling_params import SamplingParams
-from tokenq.kernels.cpu_features import bf16_support
+from tokenq.kernels.cpu_features import BF16_MIN_SPEEDUP, bf16_speedup, bf16_support
 
 
 @dataclass
@@ -86,9 +86,10 @@ def run_hf(model: torch.nn.Module, wl: Workload, batch_size: int, device: torch.
 
 def bench_dtypes(spec: str, device: torch.device) -> list[tuple[str, str]]:
     """The dtypes to run, each with a note for the table. ``auto``: every dtype this
-    machine runs at full speed (CUDA: bfloat16; a CPU: float32, and bfloat16 where it has
+    machine has hardware for (CUDA: bfloat16; a CPU: float32, and bfloat16 where it has
     bf16 instructions); else a comma-separated list. bf16 on a CPU without bf16
-    instructions runs, emulated, and is marked so."""
+    instructions runs, emulated, and is marked so, as is bf16 on one whose bf16 products
+    run slower than fp32's (auto then computes in float32)."""
     if spec == "auto":
         names = ["bfloat16"] if device.type == "cuda" else ["float32"]
         if device.type == "cpu" and bf16_support().native:
@@ -98,9 +99,20 @@ def bench_dtypes(spec: str, device: torch.device) -> list[tuple[str, str]]:
     out = []
     for name in names:
         EngineConfig(dtype=name)  # a clear error for a name that is no dtype
-        emulated = device.type == "cpu" and name == "bfloat16" and not bf16_support().native
-        out.append((name, "no bf16 instructions: emulated" if emulated else ""))
+        out.append((name, cpu_bf16_note(name) if device.type == "cpu" else ""))
     return out
+
+
+def cpu_bf16_note(dtype: str) -> str:
+    """Why a CPU's bf16 row may trail its fp32 one: emulated, or slower instructions."""
+    if dtype != "bfloat16":
+        return ""
+    if not bf16_support().native:
+        return "no bf16 instructions: emulated"
+    speedup = bf16_speedup()
+    if speedup < BF16_MIN_SPEEDUP:
+        return f"bf16 products at {speedup:.2f}x fp32's here: auto picks float32"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,8 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--dtype",
         default="auto",
-        help="comma-separated dtypes, one table row each; auto: those the machine runs at "
-        "full speed (a CPU: float32, and bfloat16 with AVX512_BF16 or AMX)",
+        help="comma-separated dtypes, one table row each; auto: those the machine has "
+        "hardware for (a CPU: float32, and bfloat16 with AVX512_BF16 or AMX)",
     )
     args = ap.parse_args(argv)
     if not args.no_hf:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tokenq.engine.downloads import DEFAULT_MODEL
-from tokenq.kernels.cpu_features import bf16_support
+from tokenq.kernels.cpu_features import BF16_MIN_SPEEDUP, bf16_speedup, bf16_support
 
 # model_type values whose weights follow LlamaForCausalLM's layout.
 _LLAMA_LIKE = ("llama", "mistral")
@@ -280,16 +280,20 @@ class EngineConfig:
 
     def dtype_choice(self, device: torch.device) -> tuple[torch.dtype, str]:
         """The dtype the engine computes in, and why (for the log). ``auto``: bfloat16 on
-        CUDA, and on a CPU with bf16 instructions (AVX-512 BF16 or AMX); float32 on other
-        CPUs, where bf16 would be emulated and slower than float32."""
+        CUDA, and on a CPU whose bf16 instructions (AVX-512 BF16 or AMX) multiply faster
+        than its fp32 ones; float32 on other CPUs, where bf16 is emulated, or slower."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype], "dtype given"
         if device.type == "cuda":
             return torch.bfloat16, "auto on CUDA"
         support = bf16_support()
-        if support.native:
-            return torch.bfloat16, f"auto: {support.reason}"
-        return torch.float32, f"auto: {support.reason}"
+        if not support.native:
+            return torch.float32, f"auto: {support.reason}"
+        speedup = bf16_speedup()
+        rate = f"its bf16 matrix products ran at {speedup:.2f}x fp32's here"
+        if speedup >= BF16_MIN_SPEEDUP:
+            return torch.bfloat16, f"auto: {support.reason} and {rate}"
+        return torch.float32, f"auto: {support.reason}, but {rate}"
 
     def kv_cache_bytes(self, device: torch.device) -> int:
         if self.kv_cache_memory is not None:

@@ -2,7 +2,8 @@
 
 The bf16 path runs on every CPU (where the processor lacks bf16 instructions, oneDNN and the
 C kernels convert in software), so everything here runs on any machine; only ``auto``'s
-choice depends on the CPU, and its test asks this CPU's flags what the answer must be.
+choice depends on the CPU (its flags, and where they allow bf16, the rate its bf16 products
+run at against fp32's), and its test asks this CPU what the answer must be.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from tests.helpers import make_tiny_llama_dir
 from tests.teacher_forcing import agreement, engine_logits, hf_logits
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
+from tokenq.engine import config as config_module
 from tokenq.engine.bench import bench_dtypes
 from tokenq.engine.downloads import build_dir
 from tokenq.engine.hf_reference import build_hf_model
@@ -55,17 +57,56 @@ def test_bf16_support_by_flags(flags: set[str], native: bool, why: str) -> None:
     assert support.native is native and why in support.reason
 
 
+def bf16_wins_here() -> bool:
+    return (
+        cpu_features.bf16_support().native
+        and cpu_features.bf16_speedup() >= cpu_features.BF16_MIN_SPEEDUP
+    )
+
+
 def test_auto_follows_this_cpu_and_dtype_overrides() -> None:
-    """auto = bf16 exactly where this CPU has bf16 instructions; --dtype wins either way."""
-    native = cpu_features.bf16_support().native
+    """auto = bf16 exactly where this CPU has bf16 instructions that outrun fp32's;
+    --dtype wins either way."""
     dtype, why = EngineConfig(dtype="auto").dtype_choice(CPU)
-    assert dtype == (torch.bfloat16 if native else torch.float32)
+    assert dtype == (torch.bfloat16 if bf16_wins_here() else torch.float32)
     assert why.startswith("auto: ") and ("bf16" in why)
     assert EngineConfig(dtype="float32").dtype_choice(CPU) == (torch.float32, "dtype given")
     assert EngineConfig(dtype="bfloat16").resolved_dtype(CPU) == torch.bfloat16
     assert EngineConfig(dtype="auto").resolved_dtype(torch.device("cuda")) == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be auto or one of"):
         EngineConfig(dtype="bf16")
+
+
+@pytest.mark.parametrize(
+    "speedup,dtype,why",
+    [
+        (1.9, torch.bfloat16, "has avx512_bf16 and its bf16 matrix products ran at 1.90x"),
+        (0.55, torch.float32, "has avx512_bf16, but its bf16 matrix products ran at 0.55x"),
+        (1.1, torch.float32, "ran at 1.10x"),  # inside the margin: not worth other tokens
+    ],
+)
+def test_auto_picks_bf16_only_where_its_products_outrun_fp32(
+    monkeypatch: pytest.MonkeyPatch, speedup: float, dtype: torch.dtype, why: str
+) -> None:
+    support = cpu_features.bf16_support(frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(config_module, "bf16_support", lambda: support)
+    monkeypatch.setattr(config_module, "bf16_speedup", lambda: speedup)
+    chosen, reason = EngineConfig(dtype="auto").dtype_choice(CPU)
+    assert chosen == dtype and why in reason
+
+
+def test_auto_does_not_time_bf16_on_a_cpu_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    support = cpu_features.bf16_support(frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(config_module, "bf16_support", lambda: support)
+    monkeypatch.setattr(config_module, "bf16_speedup", lambda: pytest.fail("timed bf16"))
+    assert EngineConfig(dtype="auto").dtype_choice(CPU)[0] == torch.float32
+
+
+@pytest.mark.skipif(not cpu_features.bf16_support().native, reason="no bf16 instructions")
+def test_the_bf16_probe_times_both_products_here() -> None:
+    """Where the CPU has bf16 instructions oneDNN packs bf16, so the probe measures a rate
+    (a CPU's bf16 products run at about half, twice, or many times fp32's)."""
+    assert 0.2 < cpu_features.bf16_speedup() < 50
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +118,9 @@ def test_engine_logs_its_dtype_once(tiny: Path, caplog: pytest.LogCaptureFixture
     caplog.set_level(logging.INFO, logger="tokenq.engine.llm_engine")
     engine = LLMEngine(EngineConfig(model=str(tiny), device="cpu", num_kv_blocks=16))
     lines = [r.getMessage() for r in caplog.records if "computing in" in r.getMessage()]
-    expected = "bfloat16" if cpu_features.bf16_support().native else "float32"
-    assert lines == [f"computing in {expected} on cpu ({cpu_features_reason()})"]
-    assert engine.dtype == getattr(torch, expected)
-
-
-def cpu_features_reason() -> str:
-    return "auto: " + cpu_features.bf16_support().reason
+    expected, why = EngineConfig(dtype="auto").dtype_choice(CPU)
+    assert lines == [f"computing in {str(expected).removeprefix('torch.')} on cpu ({why})"]
+    assert engine.dtype == expected
 
 
 @pytest.fixture(scope="module")
@@ -189,9 +226,15 @@ def test_bench_rows_per_dtype() -> None:
     """``tokenq bench engine --dtype``: auto is what this machine runs at full speed; bf16
     asked for on a CPU without bf16 instructions runs, marked emulated."""
     native = cpu_features.bf16_support().native
-    assert bench_dtypes("auto", CPU) == [("float32", "")] + ([("bfloat16", "")] if native else [])
-    emulated = "" if native else "no bf16 instructions: emulated"
-    assert bench_dtypes("float32, bfloat16", CPU) == [("float32", ""), ("bfloat16", emulated)]
+    if not native:
+        note = "no bf16 instructions: emulated"
+    elif not bf16_wins_here():
+        speedup = cpu_features.bf16_speedup()
+        note = f"bf16 products at {speedup:.2f}x fp32's here: auto picks float32"
+    else:
+        note = ""
+    assert bench_dtypes("auto", CPU) == [("float32", "")] + ([("bfloat16", note)] if native else [])
+    assert bench_dtypes("float32, bfloat16", CPU) == [("float32", ""), ("bfloat16", note)]
     assert bench_dtypes("auto", torch.device("cuda")) == [("bfloat16", "")]
     with pytest.raises(ValueError, match="dtype must be"):
         bench_dtypes("float32,bf16", CPU)

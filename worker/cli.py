@@ -37,7 +37,10 @@ ENGINE_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "max_model_len": (int, "context limit"),
     "attention_backend": (str, "auto, cpu (C kernels), torch or triton"),
     "device": (str, "auto, cpu, cuda, cuda:1"),
-    "dtype": (str, "auto (bf16 on CUDA and bf16-capable CPUs), float32, float16, bfloat16"),
+    "dtype": (
+        str,
+        "auto (bf16 on CUDA, and on CPUs where bf16 outruns fp32), float32, float16, bfloat16",
+    ),
     "num_threads": (int, "torch CPU threads"),
 }
 # WorkerConfig field -> (flag, parser, help)
