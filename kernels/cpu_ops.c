@@ -23,7 +23,7 @@
 
 /* e^x to within a few float ulps for x in [-87, 88] (clamped outside: e^-87 is 1.6e-38,
  * nothing next to any weight that matters): a branch-free range reduction and polynomial
- * that the compiler vectorizes, unlike libm's expf. */
+ * that the compiler vectorizes, unlike libm's expf (with -fno-thread-jumps: see cpu_ops.py). */
 static inline float fast_expf(float x)
 {
     x = x < -87.0f ? -87.0f : x;
