@@ -1,13 +1,16 @@
-"""GPU micro-benchmark of decode attention: how close the kernels get to memory bandwidth.
+"""``tokenq bench kernels``: on a GPU, decode attention against memory bandwidth; on the
+CPU, each C kernel against the torch ops it replaces (``bench_cpu``).
 
-Decode attention reads every cached K/V byte once and does little arithmetic, so the figure
-of merit is K/V bytes read per second against what the same device reaches on a plain
-``copy_``. Run with ``python -m tokenq.kernels.bench`` on a CUDA machine.
+Decode attention reads every cached K/V byte once and does little arithmetic, so the GPU
+figure of merit is K/V bytes read per second against what the same device reaches on a
+plain ``copy_``.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
 import torch
 from triton.testing import do_bench
@@ -91,13 +94,21 @@ def run_kernel_bench(
     return rows
 
 
-def main() -> int:
+def main(argv: list[str], build_dir: Path) -> int:
+    """``tokenq bench kernels [--device auto|cuda|cpu] [CPU options]``: the GPU table on
+    CUDA (auto, where there is a GPU), the C kernels against torch on the CPU."""
+    ap = argparse.ArgumentParser(prog="tokenq bench kernels", add_help=False)
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    args, rest = ap.parse_known_args(argv)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        from tokenq.kernels.bench_cpu import main as bench_cpu
+
+        return bench_cpu(rest, build_dir)
     if not torch.cuda.is_available():
         print(f"error: {_NO_CUDA}", file=sys.stderr)
         return 1
     run_kernel_bench()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

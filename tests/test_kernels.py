@@ -355,6 +355,20 @@ def test_cpu_silu_mul(gen: torch.Generator) -> None:
 
 
 @needs_cpu_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_silu_mul_past_the_exponentials_clamps(dtype: torch.dtype) -> None:
+    """Gates beyond +-87, where fast_expf clamps: silu is the gate itself above, 0 below."""
+    edge = [-1e4, -1000.0, -100.0, -88.5, -87.0, -20.0, 0.0, 20.0, 87.0, 88.5, 100.0, 1e4]
+    gate = torch.tensor(edge * 3).view(3, len(edge))
+    up = torch.linspace(-2, 2, gate.numel()).view_as(gate)
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    out = torch.empty_like(gate, dtype=dtype)
+    cpu_ops.silu_mul_cpu(gate_up, out)
+    expected = torch.nn.functional.silu(gate_up[:, : len(edge)].float()) * up.to(dtype).float()
+    assert torch.allclose(out.float(), expected, rtol=1e-2, atol=1e-6)
+
+
+@needs_cpu_ops
 def test_cpu_rope_in_place(gen: torch.Generator) -> None:
     """Query and key heads of a fused QKV row rotate; the value heads stay as they were."""
     rows, heads, head_dim, max_pos = 21, 5, 64, 300
@@ -499,3 +513,27 @@ def test_cpu_ops_build_failure_leaves_the_torch_path(monkeypatch, tmp_path, capl
         assert resolve_backend("auto", cpu, torch.bfloat16) == "cpu"
         assert resolve_backend("auto", cpu, torch.float16) == "torch"
     assert resolve_backend("auto", torch.device("cuda"), torch.bfloat16) == "triton"
+
+
+@needs_cpu_ops
+def test_cpu_kernel_bench_times_each_kernel_against_torch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``tokenq bench kernels --device cpu``: a row per dtype, op and shape, with both
+    sides' times and their ratio."""
+    from tokenq.kernels.bench import main as bench_kernels
+
+    argv = ["--device", "cpu", "--decode-rows", "4", "--context", "40", "--prefill-rows", "24"]
+    assert bench_kernels(argv, build_dir()) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    ops = ("add_rms_norm", "silu_mul", "rope", "paged_attention")
+    expected = [
+        (dtype, op, shape)
+        for dtype in ("float32", "bfloat16")
+        for shape in ("decode", "prefill")
+        for op in ops
+    ]
+    assert [(r[0], r[1], r[2]) for r in rows] == expected
+    for r in rows:
+        c_us, torch_us, speedup = float(r[-3]), float(r[-2]), float(r[-1].rstrip("x"))
+        assert c_us > 0 and torch_us > 0 and speedup == pytest.approx(torch_us / c_us, rel=0.02)

@@ -186,9 +186,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
         bench_engine(args.args)
     elif args.target == "kernels":
-        from tokenq.kernels.bench import run_kernel_bench
+        from tokenq.engine.downloads import build_dir
+        from tokenq.kernels.bench import main as bench_kernels
 
-        run_kernel_bench()
+        return bench_kernels(args.args, build_dir())
     elif args.target == "batch":
         from tokenq.worker.bench_batch import main as bench_batch
 
