@@ -92,6 +92,34 @@ static inline void NAME(attend)(const float *qg, float *acc, float *m, float *l,
         NAME(attend_generic)(qg, acc, m, l, kp, vp, len, head_dim, sc);
 }
 
+/* The K and V rows of keys start .. start + CHUNK of one KV head (rows past `visible`
+ * repeat the last key: padding for the 8-wide scoring), and a prefetch of each: filled
+ * one chunk ahead, so that the next chunk's scattered rows come from memory while this
+ * one's are computed on (decode attention otherwise waits on every row it reads). */
+static inline void NAME(chunk_rows)(const int32_t *table, int64_t start, int64_t visible,
+                                    int64_t block_size, int64_t row, int64_t head_dim,
+                                    const T *k_head, const T *v_head, const T **kp,
+                                    const T **vp)
+{
+    const int64_t len = visible - start < CHUNK ? visible - start : CHUNK;
+    const int64_t bytes = head_dim * (int64_t)sizeof(T);
+    int64_t b = start / block_size, off = start % block_size;
+    for (int64_t t = 0; t < CHUNK; t++) {
+        const int64_t slot = (int64_t)table[b] * block_size + off;
+        kp[t] = k_head + slot * row;
+        vp[t] = v_head + slot * row;
+        if (t < len)
+            for (int64_t c = 0; c < bytes; c += 64) {
+                __builtin_prefetch((const char *)kp[t] + c, 0, 3);
+                __builtin_prefetch((const char *)vp[t] + c, 0, 3);
+            }
+        if (t + 1 < len && ++off == block_size) {
+            off = 0;
+            b++;
+        }
+    }
+}
+
 /* Causal attention of new query tokens over a paged K/V cache.
  *
  * Same semantics as kernels.reference.paged_attention_torch, for decodes and prefill chunks
@@ -125,7 +153,7 @@ void NAME(paged_attention)(
 
         float qs[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM];
         float m[MAX_GROUP], l[MAX_GROUP], sc[CHUNK];
-        const T *kp[CHUNK], *vp[CHUNK];
+        const T *kp[2][CHUNK], *vp[2][CHUNK]; /* this chunk's rows, and the next's */
         for (int64_t g = 0; g < group; g++) {
             const T *qg = q + tok * q_stride + (kh * group + g) * head_dim;
             for (int64_t d = 0; d < head_dim; d++) {
@@ -135,22 +163,17 @@ void NAME(paged_attention)(
             m[g] = -INFINITY;
             l[g] = 0.0f;
         }
-        for (int64_t start = 0; start < visible; start += CHUNK) {
+        const T *k_head = k_cache + kh * head_dim, *v_head = v_cache + kh * head_dim;
+        NAME(chunk_rows)(table, 0, visible, block_size, row, head_dim, k_head, v_head, kp[0],
+                         vp[0]);
+        for (int64_t start = 0, i = 0; start < visible; start += CHUNK, i ^= 1) {
             const int64_t len = visible - start < CHUNK ? visible - start : CHUNK;
-            int64_t b = start / block_size, off = start % block_size;
-            for (int64_t t = 0; t < CHUNK; t++) {
-                /* rows past len repeat the last key: padding for the 8-wide scoring */
-                const int64_t slot = (int64_t)table[b] * block_size + off;
-                kp[t] = k_cache + slot * row + kh * head_dim;
-                vp[t] = v_cache + slot * row + kh * head_dim;
-                if (t + 1 < len && ++off == block_size) {
-                    off = 0;
-                    b++;
-                }
-            }
+            if (start + CHUNK < visible)
+                NAME(chunk_rows)(table, start + CHUNK, visible, block_size, row, head_dim,
+                                 k_head, v_head, kp[i ^ 1], vp[i ^ 1]);
             for (int64_t g = 0; g < group; g++)
-                NAME(attend)(qs + g * head_dim, acc + g * head_dim, &m[g], &l[g], kp, vp, len,
-                             head_dim, sc);
+                NAME(attend)(qs + g * head_dim, acc + g * head_dim, &m[g], &l[g], kp[i], vp[i],
+                             len, head_dim, sc);
         }
         for (int64_t g = 0; g < group; g++) {
             T *og = out + (tok * num_heads + kh * group + g) * head_dim;
