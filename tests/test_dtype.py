@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from tests.helpers import make_tiny_llama_dir
 from tests.teacher_forcing import agreement, engine_logits, hf_logits
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenq.engine import config as config_module
-from tokenq.engine.bench import bench_dtypes
+from tokenq.engine.bench import bench_dtypes, run_vllm, w1
 from tokenq.engine.downloads import build_dir
 from tokenq.engine.hf_reference import build_hf_model
 from tokenq.engine.loader import load_checkpoint
@@ -238,3 +239,10 @@ def test_bench_rows_per_dtype() -> None:
     assert bench_dtypes("auto", torch.device("cuda")) == [("bfloat16", "")]
     with pytest.raises(ValueError, match="dtype must be"):
         bench_dtypes("float32,bf16", CPU)
+
+
+def test_bench_vllm_side_in_an_interpreter_without_vllm_says_so(tmp_path: Path) -> None:
+    """``bench engine --vllm PYTHON`` with a PYTHON that has no vLLM: one clear message with
+    the child's error, not a traceback of the parent."""
+    with pytest.raises(SystemExit, match=r"vLLM \(.+\) failed:(.|\n)*No module named 'vllm'"):
+        run_vllm(sys.executable, tmp_path, "bfloat16", [w1(2, 8, 4)], EngineConfig())
