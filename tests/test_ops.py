@@ -4,6 +4,7 @@ the operator's commands (`inspect`, `result`, `cancel`, `dlq`) against a real Re
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 import structlog
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.faults import WorkerProcess, free_port
@@ -36,6 +38,7 @@ from tokenq.producer.errors import JobFailed
 from tokenq.producer.fleet import FLEET_METRICS, FleetCollector
 from tokenq.producer.protocol import Keys, pack
 from tokenq.worker.loop import Worker
+from tokenq.worker.metrics import LATENCY_BUCKETS, observe_many
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -462,3 +465,30 @@ def test_the_fleet_collector_says_when_redis_does_not_answer() -> None:
     conn = redis.Redis(port=free_port(), socket_connect_timeout=0.5, socket_timeout=0.5)
     families = list(FleetCollector(conn, "nowhere").collect())
     assert [(f.name, [s.value for s in f.samples]) for f in families] == [("tokenq:redis_up", [0])]
+
+
+def test_observe_many_fills_a_histogram_as_one_observe_per_value() -> None:
+    """The worker records a job's inter-token gaps in one call; the histogram must read as
+    if each gap had been observed alone, bucket edges included."""
+    rng = random.Random(7)
+    values = [rng.random() ** 3 * 3 for _ in range(500)] + [0.0, 0.001, 0.0025, 640.0, 1e4]
+    one, many = CollectorRegistry(), CollectorRegistry()
+    h_one = Histogram("gap", "gap", ["model"], buckets=LATENCY_BUCKETS, registry=one)
+    h_many = Histogram("gap", "gap", ["model"], buckets=LATENCY_BUCKETS, registry=many)
+    for v in values:
+        h_one.labels("m").observe(v)
+    observe_many(h_many.labels("m"), values)
+    observe_many(h_many.labels("m"), [])
+
+    def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+        return {
+            (s.name, s.labels.get("le", "")): s.value
+            for metric in registry.collect()
+            for s in metric.samples
+            if not s.name.endswith("_created")
+        }
+
+    got, expected = samples(many), samples(one)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-12), key

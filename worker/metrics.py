@@ -13,8 +13,9 @@ scraping anything.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -80,6 +81,26 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, help, labels=["model"])
             counter.add_metric([self.model], value)
             yield counter
+
+
+def observe_many(hist: Histogram, values: Iterable[float]) -> None:
+    """``hist.observe(v)`` for each value, with one locked add per bucket touched instead
+    of two per value: a job's inter-token gaps (one per token) were a quarter of the
+    worker's Redis-side time holding the interpreter lock, which the engine's thread then
+    waits for. Falls back to ``observe`` where the histogram's layout is not the one read
+    here (another prometheus_client)."""
+    values = list(values)
+    bounds = getattr(hist, "_upper_bounds", None)
+    buckets = getattr(hist, "_buckets", None)
+    if bounds is None or buckets is None or not hasattr(hist, "_sum"):
+        for v in values:
+            hist.observe(v)
+        return
+    if not values:
+        return
+    hist._sum.inc(sum(values))
+    for index, n in Tally(bisect_left(bounds, v) for v in values).items():
+        buckets[index].inc(n)  # bisect_left: the first bound >= v, as observe picks
 
 
 class WorkerMetrics:
@@ -153,9 +174,7 @@ class WorkerMetrics:
         if m.ttft is not None:
             self.ttft_sum_s += m.ttft
             self.ttft_count += 1
-        itl = h["inter_token_latency_seconds"]
-        for gap in m.inter_token_latencies():
-            itl.observe(gap)
+        observe_many(h["inter_token_latency_seconds"], m.inter_token_latencies())
 
     def cancelled(self, lane: str) -> None:
         """A job cancelled before it started: it ends with finish reason `cancelled`."""
