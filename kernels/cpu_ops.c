@@ -44,14 +44,21 @@ static inline float fast_expf(float x)
     return p * scale;
 }
 
-/* Fold scores sc[0..len) into a running softmax (max `m`, denominator `l`): on return
- * sc holds the unnormalised probabilities, and the result is the factor by which the
- * output accumulated so far must be rescaled. */
-static inline float softmax_update(float *sc, int64_t len, float *m, float *l)
+/* The largest of sc[0..len), NaNs ignored. A plain loop: gcc does not vectorize this
+ * reduction without -ffast-math, so the AVX2 path keeps its own maximum while scoring. */
+static inline float scores_max(const float *sc, int64_t len)
 {
     float chunk_max = -INFINITY;
     for (int64_t t = 0; t < len; t++)
         chunk_max = sc[t] > chunk_max ? sc[t] : chunk_max;
+    return chunk_max;
+}
+
+/* Fold scores sc[0..len), whose largest is `chunk_max`, into a running softmax (max `m`,
+ * denominator `l`): on return sc holds the unnormalised probabilities, and the result is
+ * the factor by which the output accumulated so far must be rescaled. */
+static inline float softmax_update(float *sc, int64_t len, float chunk_max, float *m, float *l)
+{
     const float new_max = chunk_max > *m ? chunk_max : *m;
     const float alpha = fast_expf(*m - new_max);
     float sum = 0.0f;
@@ -77,6 +84,15 @@ static inline __m256 sum8(const __m256 *p)
     const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20),
                          _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+/* The largest lane of v, which holds no NaN (the caller's maximum never takes one). */
+static inline float hmax8(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    m = _mm_max_ps(_mm_movehl_ps(m, m), m);
+    m = _mm_max_ss(_mm_movehdup_ps(m), m);
+    return _mm_cvtss_f32(m);
 }
 
 #endif

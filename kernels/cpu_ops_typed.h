@@ -25,7 +25,7 @@ static inline void NAME(attend_generic)(const float *qg, float *acc, float *m, f
             dot += qg[d] * FROM(kp[t][d]);
         sc[t] = dot;
     }
-    const float alpha = softmax_update(sc, len, m, l);
+    const float alpha = softmax_update(sc, len, scores_max(sc, len), m, l);
     for (int64_t d = 0; d < head_dim; d++)
         acc[d] *= alpha;
     for (int64_t t = 0; t < len; t++) {
@@ -47,6 +47,8 @@ NAME(attend_avx2)(const float *qg, float *acc, float *m, float *l, const T *cons
                   const T *const *vp, int64_t len, const int64_t head_dim, float *sc)
 {
     const int64_t nc = head_dim / 8;
+    /* Padding rows past len repeat the last key, so their scores may join the maximum. */
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
     for (int64_t t0 = 0; t0 < len; t0 += 8) {
         __m256 part[8];
         for (int64_t j = 0; j < 8; j++)
@@ -56,9 +58,11 @@ NAME(attend_avx2)(const float *qg, float *acc, float *m, float *l, const T *cons
             for (int64_t j = 0; j < 8; j++)
                 part[j] = _mm256_fmadd_ps(qv, LOAD8(kp[t0 + j] + 8 * c), part[j]);
         }
-        _mm256_storeu_ps(sc + t0, sum8(part));
+        const __m256 scores = sum8(part);
+        vmax = _mm256_max_ps(scores, vmax); /* a NaN score yields vmax, as in scores_max */
+        _mm256_storeu_ps(sc + t0, scores);
     }
-    const __m256 alpha = _mm256_set1_ps(softmax_update(sc, len, m, l));
+    const __m256 alpha = _mm256_set1_ps(softmax_update(sc, len, hmax8(vmax), m, l));
     for (int64_t c0 = 0; c0 < nc; c0 += 8) {
         const int64_t cb = nc - c0 < 8 ? nc - c0 : 8;
         __m256 r[8];
