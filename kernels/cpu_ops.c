@@ -20,6 +20,7 @@
 #define MAX_GROUP 16  /* query heads per KV head */
 #define MAX_HEAD_DIM 256
 #define CHUNK 64  /* keys scored before they are folded into the running softmax */
+#define QTILE 8   /* query tokens of one sequence that share each chunk of K/V rows */
 
 /* e^x to within a few float ulps for x in [-87, 88] (clamped outside: e^-87 is 1.6e-38,
  * nothing next to any weight that matters): a branch-free range reduction and polynomial
