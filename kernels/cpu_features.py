@@ -14,6 +14,7 @@ against each other once per process, and ``dtype=auto`` picks bf16 only where it
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,13 +64,23 @@ def bf16_support(flags: frozenset[str] | None = None) -> Bf16Support:
     return Bf16Support(False, f"no bf16 instructions (neither {' nor '.join(BF16_FLAGS)}; {best})")
 
 
-@functools.cache
+_probe_lock = threading.Lock()
+
+
 def bf16_speedup() -> float:
     """oneDNN's packed bf16 matrix product's rate over its packed fp32 one on one core of
     this CPU, best of eleven each (about 50 ms, once per process); 0.0 where oneDNN cannot
     pack bf16 here. One thread: with two, a core busy elsewhere stalls every product at
     the threads' barrier and the ratio measured here swung from 0.4 to 2.5 between runs;
-    on one, a 128x512x1024 product read 0.54-0.56 in six runs on a loaded machine."""
+    on one, a 128x512x1024 product read 0.54-0.56 in six runs on a loaded machine. Under a
+    lock: the probe sets torch's thread count for its duration, and two engines starting
+    in two threads must not each restore the other's setting."""
+    with _probe_lock:
+        return _bf16_speedup()
+
+
+@functools.cache
+def _bf16_speedup() -> float:
     m, k, n = 128, 512, 1024
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen)
