@@ -92,14 +92,18 @@ def main(argv: list[str], build_dir: Path) -> int:
     ap.add_argument("--context", type=int, default=256, help="keys each decode row reads")
     ap.add_argument("--prefill-rows", type=int, default=512, help="tokens in a prefill chunk")
     args = ap.parse_args(argv)
+    names = [name.strip() for name in args.dtype.split(",")]
+    for name in names:
+        if name not in ("float32", "bfloat16"):
+            ap.error(f"--dtype: the C kernels run float32 and bfloat16, not {name!r}")
     if cpu_ops.load(build_dir) is None:
         print("tokenq bench kernels: the C kernels could not be built (see the log)")
         return 1
     dims = {"hidden": 576, "inter": 1536, "heads": 9, "kv_heads": 3, "head_dim": 64}
     print(f"# CPU, {torch.get_num_threads()} threads; torch {torch.__version__}; {dims}")
     print(f"{'dtype':<10}{'op':<17}{'shape':<22}{'C us':>10}{'torch us':>10}{'speedup':>9}")
-    for name in args.dtype.split(","):
-        dtype = getattr(torch, name.strip())
+    for name in names:
+        dtype = getattr(torch, name)
         shapes = {
             f"decode {args.decode_rows}x{args.context}": (args.decode_rows, args.context),
             f"prefill {args.prefill_rows}": (args.prefill_rows, args.prefill_rows),
@@ -108,7 +112,7 @@ def main(argv: list[str], build_dir: Path) -> int:
             for op, (ours, ref) in _cases(rows, context, dtype, **dims).items():
                 c_us, torch_us = _time_us(ours), _time_us(ref)
                 print(
-                    f"{name.strip():<10}{op:<17}{label:<22}{c_us:>10.1f}{torch_us:>10.1f}"
+                    f"{name:<10}{op:<17}{label:<22}{c_us:>10.1f}{torch_us:>10.1f}"
                     f"{torch_us / c_us:>8.2f}x",
                     flush=True,
                 )
