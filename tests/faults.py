@@ -264,7 +264,11 @@ class WorkerProcess:
         self.url, self.namespace = url, namespace
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with log.open("w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            # A session of its own: signal_all reaches both of its processes (the engine's
+            # and the queue process it spawns), as a terminal or a container runtime would.
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     @property
     def pid(self) -> int:
@@ -285,15 +289,34 @@ class WorkerProcess:
     def wait_clean_exit(self, timeout: float) -> None:
         assert self.proc.wait(timeout=timeout) == 0, self.log.read_text()[-3000:]
 
+    def queue_pid(self) -> int:
+        """The queue process `tokenq worker` spawned (its Redis side)."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (stat.parent / "cmdline").read_bytes()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == self.proc.pid and b"spawn_main" in cmdline:
+                return int(stat.parent.name)
+        raise AssertionError("the worker has no queue process")
+
+    def signal_all(self, sig: int) -> None:
+        """Both processes of the worker at once."""
+        os.killpg(self.proc.pid, sig)
+
     def kill(self) -> None:
-        self.proc.kill()
+        """kill -9 of the whole worker, as an OOM kill of its container."""
+        self.signal_all(signal.SIGKILL)
         self.proc.wait(timeout=30)
 
     def __enter__(self) -> WorkerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
+        try:
+            self.signal_all(signal.SIGCONT)
+            self.signal_all(signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the whole session has ended
         self.proc.wait(timeout=30)

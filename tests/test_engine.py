@@ -293,7 +293,7 @@ def test_text_too_long_for_the_context_is_refused_without_tokenizing_it(
     import time
 
     engine = make_engine(tiny_dir)
-    limit = engine.max_prompt_chars
+    limit = engine.prompts.max_prompt_chars
     assert limit == engine.max_model_len * engine.tokenizer.max_token_chars()
 
     def encode(*args, **kwargs):

@@ -161,10 +161,10 @@ def test_a_worker_frozen_past_the_claim_time_wakes_up_fenced_out(
         with b:
             wait_for(lambda: min(run.tokens_so_far()) > 10, timeout=60)
             assert pending(conn, keys, "a")
-            a.proc.send_signal(signal.SIGSTOP)
+            a.signal_all(signal.SIGSTOP)  # the whole worker freezes
             # b takes a's jobs over once they have been idle past the claim time...
             wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
-            a.proc.send_signal(signal.SIGCONT)
+            a.signal_all(signal.SIGCONT)
             # ...and a, awake again, must write nothing more for them and keep serving.
             time.sleep(1.5)
             later = Run.submit(client, 4, 20, tag="after the thaw")
@@ -596,9 +596,9 @@ def test_the_engine_keeps_stepping_while_redis_stalls(
         worker = Worker(make_engine(tiny_model), conn, fast_config("stall", claim_idle_ms=5000))
         with WorkerThread(worker):
             wait_for(lambda: min(run.tokens_so_far()) > 20)
-            steps_before = worker.engine.stats().counters["steps"]
+            steps_before = worker.driver.engine.stats().counters["steps"]
             server.client().execute_command("DEBUG", "SLEEP", "1")  # returns after the stall
-            steps_during = worker.engine.stats().counters["steps"] - steps_before
+            steps_during = worker.driver.engine.stats().counters["steps"] - steps_before
             wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
         assert steps_during >= 20, f"only {steps_during} engine steps while Redis slept 1 s"
         run.check(tiny_model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -108,8 +109,7 @@ def test_a_killed_worker_loses_no_job_and_duplicates_no_token(
     jobs, requests = submit(client, 3, 200)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 30) as worker:
         wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
-        worker.proc.kill()
-        worker.proc.wait(timeout=30)
+        worker.kill()
     assert len(pending(conn, client.keys)) == 3
     check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
 
@@ -132,3 +132,69 @@ def check_seamless_takeover(
     assert queued(client.redis, client.keys) == 0
     assert pending(client.redis, client.keys) == []
     client.close()
+
+
+# -- two processes: the engine's and the queue process it spawns (worker/split.py) --------
+
+
+def test_ctrl_c_reaching_both_processes_counts_as_one_stop(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    tmp_path: Path,
+) -> None:
+    """A terminal's ctrl-C signals every process of the worker; counted twice it would
+    hand the jobs back at once instead of draining them."""
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    conn = client.redis
+    jobs, _ = submit(client, 3, 300)
+    with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 60) as worker:
+        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        worker.signal_all(signal.SIGINT)
+        worker.wait_clean_exit(timeout=60)
+    for job in jobs:
+        assert check_reply(list(job.stream(timeout=5))).done.usage.completion_tokens == 300
+    assert pending(conn, client.keys) == []
+    client.close()
+
+
+def test_a_killed_engine_process_has_its_jobs_handed_back_at_once(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    tmp_path: Path,
+) -> None:
+    """The OOM killer picks the biggest process, the engine's: the queue process sees its
+    pipe close, publishes what it had, hands the jobs back and exits."""
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    conn = client.redis
+    jobs, requests = submit(client, 3, 200)
+    with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 30) as worker:
+        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        queue_pid = worker.queue_pid()
+        os.kill(worker.pid, signal.SIGKILL)
+        wait_for(lambda: not Path(f"/proc/{queue_pid}").exists(), timeout=30)
+        assert "its jobs were handed back" in worker.log.read_text()
+    held = pending(conn, client.keys)
+    assert len(held) == 3
+    assert all(p["time_since_delivered"] >= CLAIM_IDLE_MS for p in held)
+    assert conn.zscore(client.keys.workers, "proc") is None  # deregistered on the way out
+    check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
+
+
+def test_a_killed_queue_process_ends_the_worker_and_its_jobs_wait_for_another(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    tmp_path: Path,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    conn = client.redis
+    jobs, requests = submit(client, 3, 200)
+    with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 30) as worker:
+        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        os.kill(worker.queue_pid(), signal.SIGKILL)
+        assert worker.proc.wait(timeout=30) != 0
+        assert "the queue process failed" in worker.log.read_text()
+    assert len(pending(conn, client.keys)) == 3
+    check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)

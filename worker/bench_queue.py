@@ -110,21 +110,26 @@ def run_queue(
     prompts: list[list[int]],
     params: dict[str, Any],
     client_process: Callable[..., None] | None = None,
+    one_process: bool = False,
     **worker_options: Any,
 ) -> RunResult:
-    """The worker runs in the main thread, as `tokenq worker` does; the client beside it.
+    """The worker runs as `tokenq worker` does: the engine in the main thread, the Redis
+    side in a process of its own (`one_process`: on threads beside the engine; always with
+    an in-process fakeredis); the client in another process (in a thread with fakeredis).
     `client_process(url, namespace, prompts, params, results)` is the client's side when
     not tokenq's own Client (`tokenq bench gateway` puts the OpenAI SDK there);
     `worker_options`: WorkerConfig fields."""
     from tokenq.worker.loop import Worker
+    from tokenq.worker.split import EngineHost, LogSettings
 
     config = WorkerConfig(
         namespace=namespace, block_ms=5, served_names=(BENCH_NAME,), **worker_options
     )
-    worker = Worker(engine, conn, config)
     outcome: dict[str, Any] = {}
     url = _url_of(conn)
+    worker: Worker | EngineHost
     if url is None:  # fakeredis: the client must share this process
+        worker = Worker(engine, conn, config)
 
         def client_side() -> None:
             try:
@@ -136,8 +141,12 @@ def run_queue(
             finally:
                 worker.stop(grace=0)
 
-        waiter = threading.Thread(target=client_side, daemon=True)
     else:
+        if one_process:
+            worker = Worker(engine, conn, config)
+        else:
+            worker = EngineHost(engine, url, config, LogSettings(json=False, level="warning"))
+            worker.start()  # before the clock starts: spawning takes a second or two
         ctx = multiprocessing.get_context("spawn")
         results = ctx.SimpleQueue()
         target = client_process or _client_process
@@ -148,10 +157,12 @@ def run_queue(
             outcome.update(results.get())
             worker.stop(grace=0)
 
-        waiter = threading.Thread(target=client_side, daemon=True)
+    waiter = threading.Thread(target=client_side, daemon=True)
     waiter.start()
-    worker.run()
+    code = worker.run()
     waiter.join()
+    if code:
+        raise RuntimeError(f"the worker's queue process failed (exit code {code})")
     if "error" in outcome:
         raise (
             RuntimeError(outcome["error"])
@@ -275,12 +286,18 @@ def main(argv: list[str] | None = None) -> None:
         default=WorkerConfig.stream_interval_s,
         help="the worker's (tokenq worker --stream-interval)",
     )
+    ap.add_argument(
+        "--one-process",
+        action="store_true",
+        help="the worker's Redis side on threads of the engine's process (tokenq worker "
+        "--one-process)",
+    )
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
     engine = engine_from(args)
     workload = w1(args.requests, args.prompt_len, args.gen)
-    interval = {"stream_interval_s": args.stream_interval}
+    interval = {"stream_interval_s": args.stream_interval, "one_process": args.one_process}
     params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.gen}
     warmup = {**params, "max_tokens": 2}  # every prefill shape once before measuring
     conn = connect(args.redis_url)
@@ -305,7 +322,9 @@ def main(argv: list[str] | None = None) -> None:
 
     print(
         f"{workload.name}, {engine.model_config.num_layers}-layer model on {engine.device}, "
-        f"stream interval {args.stream_interval} s, best of {args.repeat}"
+        f"stream interval {args.stream_interval} s, the worker's Redis side "
+        f"{'on threads beside the engine' if args.one_process else 'in a process of its own'}, "
+        f"best of {args.repeat}"
     )
     print(f"{'':<10}{'tok/s':>10}{'TTFT p50':>12}{'TTFT p99':>12}")
     for name, run in (("engine", direct), ("queue", queued)):

@@ -21,7 +21,7 @@ import redis
 import structlog
 
 from tokenq.engine.config import EngineConfig
-from tokenq.producer.cli import common_options, option, parse_size
+from tokenq.producer.cli import common_options, flag_option, option, parse_size
 from tokenq.producer.protocol import MODEL_RE
 from tokenq.worker.config import WorkerConfig, default_consumer
 from tokenq.worker.logs import configure_logging
@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the --model alias or file/folder name",
         action="extend",
     )
+    flag_option(
+        worker,
+        "--one-process",
+        "run the Redis side on threads of the engine's process, not in a process of its "
+        "own (which leaves the engine's interpreter lock to the engine: docs/design.md)",
+    )
     option(worker, "--log-format", default="json", choices=("json", "console"), help="log lines")
     option(worker, "--log-level", default="info", help="debug, info, warning")
     worker.set_defaults(run=run_worker)
@@ -151,6 +157,7 @@ def served_names(model: str, given: list[str] | None) -> tuple[str, ...]:
 def run_worker(args: argparse.Namespace) -> int:
     from tokenq.engine import LLMEngine
     from tokenq.worker.loop import Worker
+    from tokenq.worker.split import EngineHost, LogSettings
 
     configure_logging(json=args.log_format == "json", level=args.log_level)
     log = structlog.get_logger("tokenq.worker")
@@ -161,17 +168,25 @@ def run_worker(args: argparse.Namespace) -> int:
     options.setdefault("consumer", default_consumer())
     names = served_names(engine_config.model, args.served_model_name)
     config = WorkerConfig(namespace=args.namespace, served_names=names, **options)
-    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_keepalive=True)
-    worker = Worker(engine, conn, config)
+    runner: Worker | EngineHost
+    if args.one_process:
+        conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_keepalive=True)
+        runner = Worker(engine, conn, config)
+    else:
+        logs = LogSettings(json=args.log_format == "json", level=args.log_level)
+        runner = EngineHost(engine, args.redis_url, config, logs)
+        runner.start()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         # First signal: drain within the grace period. Second: hand back at once.
-        worker.stop(grace=0 if worker.stopping else None)
+        runner.stop(grace=0 if runner.stopping else None)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    worker.run()
-    return 0
+    if isinstance(runner, Worker):
+        runner.run()
+        return 0
+    return runner.run()
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ threads at once.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -61,41 +62,75 @@ class Failed:
 Output = list["RequestDelta"] | Refused | Failed
 
 
-class EngineDriver:
-    """Owns the engine. `pump()` runs on one thread (the process's main thread under
-    `tokenq worker`: torch is measurably slower in a secondary one); `add`, `abort`, the
-    `outputs` queue and the snapshot attributes are for the other threads."""
+@dataclass(frozen=True)
+class Snapshot:
+    """What the Redis side reads of the engine, taken between two steps."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._commands: queue.SimpleQueue[list[Add] | Abort] = queue.SimpleQueue()
-        self.outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
-        self._sent = 0  # Add commands sent...
-        self._applied = 0  # ...and applied: their difference is admitted work not yet seen
-        # Read by other threads between steps; each is replaced whole, never mutated.
-        self.busy = False  # the engine holds requests
-        self._free = engine.free_capacity()
-        self._free_by_lane = self._lanes()
+    busy: bool  # the engine holds requests
+    free: int  # requests it could admit now
+    free_by_lane: tuple[int, int, int]  # interactive, default, batch: see free_slots
+    stats: EngineStats
+    applied: int  # Add commands applied so far
+
+    @classmethod
+    def of(cls, engine: LLMEngine, applied: int) -> Snapshot:
+        lanes = tuple(engine.free_capacity(priority=p) for p in (-1, 0, 1))
+        return cls(
+            engine.has_unfinished(),
+            engine.free_capacity(),
+            lanes,
+            engine.stats(),
+            applied,  # type: ignore[arg-type]
+        )
+
+
+class EngineView:
+    """The engine as the Redis side sees it: the latest snapshot, requests sent to it and
+    not applied yet, and an event for freed slots. Shared by the driver in the engine's
+    process and its stand-in in a queue process (worker/split.py)."""
+
+    def __init__(self, state: Snapshot) -> None:
+        self.state = state  # replaced whole, never mutated
+        self._sent = 0  # Add commands sent; state.applied of them applied
         self.freed = threading.Event()  # set whenever a step or an abort frees a slot
-        self.stats: EngineStats = engine.stats()
-        # Set by the Redis side while it cannot publish fast enough: no step runs, so the
-        # events waiting to be published stop growing.
-        self.paused = False
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.state.stats
 
     @property
     def free_capacity(self) -> int:
         """Requests the engine could admit now, less those sent but not applied yet."""
-        return self._free - (self._sent - self._applied)
+        return self.state.free - (self._sent - self.state.applied)
 
     @property
     def free_slots(self) -> tuple[int, int, int]:
         """As `free_capacity`, per lane (interactive, default, batch): a lane may also use
         the slots of lower-priority work the engine would preempt for it."""
-        pending = self._sent - self._applied
-        return tuple(max(0, free - pending) for free in self._free_by_lane)  # type: ignore[return-value]
+        pending = self._sent - self.state.applied
+        return tuple(max(0, free - pending) for free in self.state.free_by_lane)  # type: ignore[return-value]
 
-    def _lanes(self) -> tuple[int, ...]:
-        return tuple(self.engine.free_capacity(priority=p) for p in (-1, 0, 1))
+    def _update(self, state: Snapshot) -> None:
+        before, self.state = self.state, state
+        if state.free > before.free or state.free_by_lane[0] > 0:
+            self.freed.set()
+
+
+class EngineDriver(EngineView):
+    """Owns the engine. `pump()` runs on one thread (the process's main thread under
+    `tokenq worker`: torch is measurably slower in a secondary one); `add`, `abort`, the
+    `outputs` queue and the snapshot attributes are for the other threads."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__(Snapshot.of(engine, 0))
+        self.engine = engine
+        self.pid = os.getpid()  # the engine's process: what an operator signals
+        self._commands: queue.SimpleQueue[list[Add] | Abort] = queue.SimpleQueue()
+        self.outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
+        self._applied = 0
+        # Set by the Redis side while it cannot publish fast enough: no step runs, so the
+        # events waiting to be published stop growing.
+        self.paused = False
 
     def add(self, commands: list[Add]) -> None:
         """Start requests; those sent together are applied together, so one step can
@@ -168,10 +203,4 @@ class EngineDriver:
             self.outputs.put(Refused(add.job_id, "internal_error", message))
 
     def _snapshot(self) -> None:
-        before = self._free
-        self.busy = self.engine.has_unfinished()
-        self._free = self.engine.free_capacity()
-        self._free_by_lane = self._lanes()
-        self.stats = self.engine.stats()
-        if self._free > before or self._free_by_lane[0] > 0:
-            self.freed.set()
+        self._update(Snapshot.of(self.engine, self._applied))

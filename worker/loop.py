@@ -24,7 +24,6 @@ delivery) to find an entry whose delivery it never heard of.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import socket
 import threading
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
+from tokenq.engine.prompts import Prompts
 from tokenq.producer.protocol import (
     DONE,
     ERROR,
@@ -69,6 +69,7 @@ from tokenq.worker.scripts import Item, Scripts, Taken, event_arg
 if TYPE_CHECKING:
     from tokenq.engine.llm_engine import LLMEngine
     from tokenq.engine.outputs import RequestDelta
+    from tokenq.worker.split import RemoteEngine
 
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 WAKE = "wake"  # put on the engine's output queue: the publisher has settlements to send
@@ -135,10 +136,22 @@ class Worker:
     """
 
     def __init__(
-        self, engine: LLMEngine, conn: redis.Redis, config: WorkerConfig | None = None
+        self,
+        engine: LLMEngine | Prompts,
+        conn: redis.Redis,
+        config: WorkerConfig | None = None,
+        driver: RemoteEngine | None = None,
     ) -> None:
-        self.engine = engine
-        self.driver = EngineDriver(engine)
+        # `driver`: the engine is in another process (worker/split.py), `engine` is then
+        # only its prompts' rules: the intake tokenizes here, off the engine's process.
+        self.driver: EngineDriver | RemoteEngine
+        if driver is None:
+            assert not isinstance(engine, Prompts)
+            self.driver = EngineDriver(engine)
+            self.prompts = engine.prompts
+        else:
+            self.driver = driver
+            self.prompts = engine if isinstance(engine, Prompts) else engine.prompts
         self.redis = conn
         self.config = c = config or WorkerConfig()
         if not c.served_names:
@@ -193,9 +206,9 @@ class Worker:
         now = time.time()
         info = {
             "names": json.dumps(list(c.served_names)),
-            "max_model_len": self.engine.max_model_len,
+            "max_model_len": self.prompts.max_model_len,
             "host": socket.gethostname(),
-            "pid": os.getpid(),
+            "pid": self.driver.pid,
             "started_at": self._started_at,
             "heartbeat_at": round(now, 3),
             **self.metrics.live(),
@@ -461,7 +474,7 @@ class Worker:
         assert jid is not None
         try:
             with structlog.contextvars.bound_contextvars(job_id=jid):
-                ids = self.engine.encode_prompt(job.prompt, job.prompt_token_ids, job.messages)
+                ids = self.prompts.encode(job.prompt, job.prompt_token_ids, job.messages)
         except Exception as exc:  # InvalidRequest: the prompt is bad; else: a bug, isolated
             code = getattr(exc, "code", "internal_error")
             message = getattr(exc, "message", f"{type(exc).__name__}: {exc}")

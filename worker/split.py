@@ -1,0 +1,280 @@
+"""A worker in two processes: the engine in one, everything Redis in the other.
+
+On threads (worker/loop.py) the Redis side never makes the engine wait for Redis, but it
+still shares the engine's interpreter lock: building script arguments, translating outputs
+into events and parsing replies is Python, and every millisecond of it is a millisecond
+the engine's Python (scheduling, sampling, detokenizing) cannot run. With a fast step
+(a tiny model, or a GPU) that is the loss that remains. Here the Redis side is the same
+`Worker`, run in a process of its own (spawned, never forked: CUDA does not survive a
+fork), and the engine's process only steps:
+
+- the engine's process (`EngineHost.run`, the main thread of `tokenq worker`) applies
+  the commands that came over the pipe (requests, aborts, pause), runs one step with the
+  `EngineDriver`, and sends the step's outputs with a snapshot of the engine's capacity;
+- the queue process runs `Worker.run` with a `RemoteEngine` where the driver would be:
+  its main thread reads the pipe into the outputs queue the publisher reads, and intake
+  and publisher send their commands back.
+
+Lifetimes are tied by the pipe: when the queue process ends (drained, or crashed) the
+engine's process sees the pipe close and exits with its code; when the engine's process
+dies, the queue process publishes what it had received, hands back the jobs in flight
+(idle at once, for any worker's next XAUTOCLAIM) and exits. Signals go to the engine's
+process only (the queue process ignores SIGINT and SIGTERM, so a terminal's ctrl-C,
+which reaches both, counts once); it passes `stop` on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import redis
+import structlog
+
+from tokenq.worker.config import WorkerConfig
+from tokenq.worker.driver import Abort, Add, EngineDriver, EngineView, Output, Snapshot
+from tokenq.worker.logs import configure_logging
+
+if TYPE_CHECKING:
+    from tokenq.engine.llm_engine import LLMEngine
+    from tokenq.engine.prompts import Prompts
+
+START_TIMEOUT_S = 120.0  # spawning imports redis-py, structlog and the tokenizer
+
+
+class EngineGone(Exception):
+    """The engine's process ended: nothing more will come from it."""
+
+
+@dataclass
+class Pause:
+    """The Redis side owes Redis too many events: no step until it says otherwise."""
+
+    paused: bool
+
+
+@dataclass
+class Stop:
+    """Stop taking jobs; give in-flight ones `grace` seconds (None: the configured)."""
+
+    grace: float | None
+
+
+READY = "ready"  # the queue process's first message: its worker is built
+
+
+@dataclass
+class LogSettings:
+    json: bool = True
+    level: str = "info"
+
+
+class EngineHost:
+    """The engine's process of a two-process worker. `start()` spawns the queue process
+    and waits until it is ready; `run()` steps the engine until that process ends and
+    returns its exit code; `stop()` may be called from a signal handler or any thread."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        redis_url: str,
+        config: WorkerConfig,
+        logs: LogSettings | None = None,
+    ) -> None:
+        self.engine = engine
+        self.driver = EngineDriver(engine)
+        self.redis_url = redis_url
+        self.config = config
+        self.logs = logs or LogSettings()
+        self._stops: list[float | None] = []  # appended by stop(), sent by run()
+        self._conn: Connection | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self.log = structlog.get_logger("tokenq.worker")
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        args = (
+            theirs,
+            self.engine.prompts,
+            self.driver.state,
+            os.getpid(),
+            self.redis_url,
+            self.config,
+            self.logs,
+        )
+        self._process = ctx.Process(target=serve_queue, args=args, name="tokenq-queue")
+        self._process.start()
+        theirs.close()
+        self._conn = ours
+        try:
+            if not ours.poll(START_TIMEOUT_S) or ours.recv() != READY:
+                raise EOFError
+        except (EOFError, OSError):
+            self._process.join(timeout=5)
+            raise RuntimeError(
+                f"the queue process did not start (exit code {self._process.exitcode})"
+            ) from None
+
+    def stop(self, grace: float | None = None) -> None:
+        """As `Worker.stop`: sent to the queue process by the next pass of `run()`."""
+        self._stops.append(grace)
+
+    @property
+    def stopping(self) -> bool:
+        return bool(self._stops)
+
+    def run(self) -> int:
+        """Step until the queue process ends; its exit code."""
+        if self._conn is None:
+            self.start()
+        assert self._conn is not None and self._process is not None
+        conn, driver = self._conn, self.driver
+        sent_stops = 0
+        last: Snapshot | None = None
+        try:
+            while True:
+                while sent_stops < len(self._stops):
+                    conn.send(Stop(self._stops[sent_stops]))
+                    sent_stops += 1
+                idle = driver.paused or not self.engine.has_unfinished()
+                if conn.poll(0.05 if idle else 0.0):
+                    self._receive(conn)
+                driver.pump()
+                outputs = _drain(driver)
+                if outputs or driver.state != last:
+                    last = driver.state
+                    conn.send((outputs, last))
+        except (EOFError, OSError):
+            pass  # the queue process ended: it has published and handed back what it held
+        conn.close()
+        self._process.join()
+        code = self._process.exitcode or 0
+        if code:
+            # Negative: killed by that signal. Its jobs wait for a worker's XAUTOCLAIM.
+            self.log.error("the queue process failed", exit_code=code)
+        return code if code >= 0 else 1
+
+    def _receive(self, conn: Connection) -> None:
+        """Take every command waiting in the pipe (the driver applies them before its
+        next step)."""
+        while True:
+            command = conn.recv()
+            if isinstance(command, Pause):
+                self.driver.paused = command.paused
+            elif isinstance(command, Abort):
+                self.driver.abort(command.job_id)
+            else:
+                self.driver.add(command)
+            if not conn.poll(0):
+                return
+
+
+def _drain(driver: EngineDriver) -> list[Output]:
+    outputs: list[Output] = []
+    while not driver.outputs.empty():
+        outputs.append(driver.outputs.get_nowait())
+    return outputs
+
+
+class RemoteEngine(EngineView):
+    """The queue process's stand-in for the `EngineDriver`: what `Worker` calls on its
+    driver, over the pipe to the engine's process."""
+
+    def __init__(self, conn: Connection, state: Snapshot, pid: int) -> None:
+        super().__init__(state)
+        self.pid = pid
+        self._conn = conn
+        self._send_lock = threading.Lock()  # intake, publisher and shutdown all send
+        self.outputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._paused = False
+        self.closed = False
+        self.on_stop: Callable[[float | None], None] = lambda grace: None  # Worker.stop
+
+    def add(self, commands: list[Add]) -> None:
+        if commands:
+            self._sent += len(commands)
+            self._send(commands)
+
+    def abort(self, job_id: str) -> None:
+        self._send(Abort(job_id))
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        if value != self._paused:
+            self._paused = value
+            self._send(Pause(value))
+
+    def _send(self, command: Any) -> None:
+        """A command for the engine; dropped once its process is gone (the jobs it was
+        about are handed back then)."""
+        with self._send_lock:
+            if self.closed:
+                return
+            try:
+                self._conn.send(command)
+            except OSError:
+                self.closed = True
+
+    def pump(self, wait: float = 0.0) -> bool:
+        """What the engine's process sent, into the outputs queue and the snapshot; waits
+        up to `wait` for the first message. Raises `EngineGone` once, when the pipe closes.
+        """
+        if self.closed:
+            return False
+        try:
+            if not self._conn.poll(wait):
+                return False
+            while True:
+                message = self._conn.recv()
+                if isinstance(message, Stop):
+                    self.on_stop(message.grace)
+                else:
+                    outputs, state = message
+                    for output in outputs:
+                        self.outputs.put(output)
+                    self._update(state)
+                if not self._conn.poll(0):
+                    return True
+        except (EOFError, OSError):
+            with self._send_lock:
+                self.closed = True
+            raise EngineGone("the engine's process ended") from None
+
+
+def serve_queue(
+    conn: Connection,
+    prompts: Prompts,
+    state: Snapshot,
+    engine_pid: int,
+    redis_url: str,
+    config: WorkerConfig,
+    logs: LogSettings,
+) -> None:
+    """The queue process: a `Worker` whose engine is across the pipe."""
+    from tokenq.worker.loop import Worker
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    configure_logging(json=logs.json, level=logs.level)
+    engine = RemoteEngine(conn, state, engine_pid)
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_keepalive=True)
+    worker = Worker(prompts, client, config, driver=engine)
+    engine.on_stop = worker.stop
+    conn.send(READY)
+    try:
+        worker.run()
+    except EngineGone:
+        worker.log.error("the engine's process ended; its jobs were handed back")
+        raise SystemExit(1) from None
