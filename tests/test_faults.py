@@ -46,6 +46,7 @@ from tokenq.producer.protocol import (
     unpack,
 )
 from tokenq.worker.loop import Worker
+from tokenq.worker.split import EngineHost
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -583,17 +584,26 @@ def test_a_poison_job_fails_alone_and_its_batch_neighbours_finish(
     client.close()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["threads", "two-processes"])
 def test_the_engine_keeps_stepping_while_redis_stalls(
     tiny_model: Path,  # noqa: F811
     tmp_path: Path,
+    split: bool,
 ) -> None:
     """Redis frozen for a second (DEBUG SLEEP) while jobs run: the engine steps on through
-    it (its events wait in the outboxes), and every job still ends once, seamlessly."""
+    it (its events wait in the outboxes), and every job still ends once, seamlessly; with
+    the Redis side on threads beside the engine, and in a process of its own."""
     with RedisServer(tmp_path / "redis", aof=False) as server:
         client = Client(server.url, namespace="stall", **CLIENT)
         run = Run.submit(client, 8, 400)
-        conn = redis.Redis.from_url(server.url, socket_timeout=5)
-        worker = Worker(make_engine(tiny_model), conn, fast_config("stall", claim_idle_ms=5000))
+        config = fast_config("stall", claim_idle_ms=5000)
+        worker: Worker | EngineHost
+        if split:
+            worker = EngineHost(make_engine(tiny_model), server.url, config)
+            worker.start()
+        else:
+            conn = redis.Redis.from_url(server.url, socket_timeout=5)
+            worker = Worker(make_engine(tiny_model), conn, config)
         with WorkerThread(worker):
             wait_for(lambda: min(run.tokens_so_far()) > 20)
             steps_before = worker.driver.engine.stats().counters["steps"]

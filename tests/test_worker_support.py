@@ -31,6 +31,7 @@ from tokenq.producer.protocol import (
 )
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.loop import Worker
+from tokenq.worker.split import EngineHost
 
 
 @pytest.fixture
@@ -124,14 +125,15 @@ class WorkerThread:
     """Runs `worker.run()` in a thread; leaving the block stops it and re-raises whatever
     killed it, so a test cannot pass with a dead worker."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker | EngineHost) -> None:
         self.worker = worker
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         try:
-            self.worker.run()
+            if self.worker.run():  # an EngineHost's queue process failed
+                raise RuntimeError("the queue process failed")
         except BaseException as exc:  # reported in __exit__
             self.error = exc
 

@@ -24,8 +24,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from tokenq.producer.client import DEFAULT_REDIS_URL
 from tokenq.worker.bench_queue import (
     BENCH_NAME,
@@ -60,12 +58,13 @@ def batch_file(path: Path, prompts: list[str], params: dict[str, Any]) -> Path:
 
 
 def run_batch(engine: Any, url: str, namespace: str, source: Path, workdir: Path) -> RunResult:
-    """The batch command against a worker on this engine; the worker on the main thread."""
-    from tokenq.worker.loop import Worker
+    """The batch command against a worker on this engine, run as `tokenq worker` runs:
+    the engine on the main thread, the Redis side in a process of its own."""
+    from tokenq.worker.split import EngineHost, LogSettings
 
-    conn = redis.Redis.from_url(url)
     config = WorkerConfig(namespace=namespace, block_ms=5, served_names=(BENCH_NAME,))
-    worker = Worker(engine, conn, config)
+    worker = EngineHost(engine, url, config, LogSettings(json=False, level="warning"))
+    worker.start()
     out = workdir / f"out-{uuid.uuid4().hex[:8]}.jsonl"
     cmd = [
         sys.executable, "-m", "tokenq.cli", "batch", "run", str(source), str(out),
@@ -83,9 +82,10 @@ def run_batch(engine: Any, url: str, namespace: str, source: Path, workdir: Path
 
     waiter = threading.Thread(target=command, daemon=True)
     waiter.start()
-    worker.run()
+    code = worker.run()
     waiter.join()
-    conn.close()
+    if code:
+        raise RuntimeError(f"the worker's queue process failed (exit code {code})")
     if outcome["status"] != 0:
         raise RuntimeError(f"tokenq batch run failed: {outcome['stderr'][-2000:]}")
     tokens = 0

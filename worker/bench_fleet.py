@@ -96,11 +96,13 @@ def client_side(url: str, namespace: str, work: Workload, mode: str, results: An
 
 
 def run(engine: Any, url: str, work: Workload, mode: str) -> dict[str, Any]:
-    from tokenq.worker.loop import Worker
+    from tokenq.worker.split import EngineHost, LogSettings
 
     namespace = f"bench-fleet-{uuid.uuid4().hex[:8]}"
     conn = Client(url).redis
-    worker = Worker(engine, conn, WorkerConfig(namespace=namespace, served_names=(NAME,)))
+    config = WorkerConfig(namespace=namespace, served_names=(NAME,))
+    worker = EngineHost(engine, url, config, LogSettings(json=False, level="warning"))
+    worker.start()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.SimpleQueue()
     proc = ctx.Process(target=client_side, args=(url, namespace, work, mode, results))
@@ -114,11 +116,13 @@ def run(engine: Any, url: str, work: Workload, mode: str) -> dict[str, Any]:
     waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
     try:
-        worker.run()
+        code = worker.run()
     finally:
         waiter.join()
         proc.join()
         delete_namespace(conn, namespace)
+    if code:
+        raise RuntimeError(f"the worker's queue process failed (exit code {code})")
     if "error" in outcome:
         raise RuntimeError(outcome["error"])
     return outcome

@@ -2,9 +2,10 @@
 
 Options and their defaults come from the settings they fill: `EngineConfig` and
 `WorkerConfig` hold the defaults (shown in --help), this module only names the flags; an
-option not given leaves the dataclass default in place. One process per device, no fork:
-CUDA does not survive forking, and one engine already batches everything the device holds.
-"""
+option not given leaves the dataclass default in place. One engine per device, in the
+process started; `tokenq worker` spawns its Redis side beside it (worker/split.py), never
+forks: CUDA does not survive forking, and one engine already batches everything the device
+holds."""
 
 from __future__ import annotations
 

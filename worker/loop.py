@@ -1,6 +1,8 @@
 """The worker: moves jobs between Redis and the engine without ever making the engine wait.
 
-Three threads, each with one job (docs/design.md, "The worker"):
+Three threads, each with one job (docs/design.md, "The worker"); under `tokenq worker`
+the two Redis threads run in a process of their own, the engine across a pipe
+(worker/split.py), and the same code drives it:
 
 - the engine thread (the caller of `run()`) only steps the engine, through
   `worker/driver.py`: new requests and aborts are applied between steps, each step's

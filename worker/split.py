@@ -12,8 +12,8 @@ fork), and the engine's process only steps:
   the commands that came over the pipe (requests, aborts, pause), runs one step with the
   `EngineDriver`, and sends the step's outputs with a snapshot of the engine's capacity;
 - the queue process runs `Worker.run` with a `RemoteEngine` where the driver would be:
-  its main thread reads the pipe into the outputs queue the publisher reads, and intake
-  and publisher send their commands back.
+  a thread of its own reads the pipe into the outputs queue the publisher reads, and
+  intake and publisher send their commands back.
 
 Lifetimes are tied by the pipe: when the queue process ends (drained, or crashed) the
 engine's process sees the pipe close and exits with its code; when the engine's process
@@ -186,7 +186,11 @@ def _drain(driver: EngineDriver) -> list[Output]:
 
 class RemoteEngine(EngineView):
     """The queue process's stand-in for the `EngineDriver`: what `Worker` calls on its
-    driver, over the pipe to the engine's process."""
+    driver, over the pipe to the engine's process.
+
+    A thread of its own reads the pipe all the time, whatever the worker's threads are
+    doing (shutting down included): were both ends ever writing into full pipes with
+    neither reading, the two processes would wait on each other for good."""
 
     def __init__(self, conn: Connection, state: Snapshot, pid: int) -> None:
         super().__init__(state)
@@ -195,8 +199,11 @@ class RemoteEngine(EngineView):
         self._send_lock = threading.Lock()  # intake, publisher and shutdown all send
         self.outputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._paused = False
-        self.closed = False
         self.on_stop: Callable[[float | None], None] = lambda grace: None  # Worker.stop
+        self._gone = threading.Event()  # the pipe closed: the engine's process ended
+        self._told = False  # EngineGone raised
+        self._reader = threading.Thread(target=self._read, name="tokenq-pipe", daemon=True)
+        self._reader.start()
 
     def add(self, commands: list[Add]) -> None:
         if commands:
@@ -220,37 +227,35 @@ class RemoteEngine(EngineView):
         """A command for the engine; dropped once its process is gone (the jobs it was
         about are handed back then)."""
         with self._send_lock:
-            if self.closed:
+            if self._gone.is_set():
                 return
             try:
                 self._conn.send(command)
             except OSError:
-                self.closed = True
+                self._gone.set()
 
-    def pump(self, wait: float = 0.0) -> bool:
-        """What the engine's process sent, into the outputs queue and the snapshot; waits
-        up to `wait` for the first message. Raises `EngineGone` once, when the pipe closes.
-        """
-        if self.closed:
-            return False
+    def _read(self) -> None:
         try:
-            if not self._conn.poll(wait):
-                return False
             while True:
                 message = self._conn.recv()
                 if isinstance(message, Stop):
                     self.on_stop(message.grace)
-                else:
-                    outputs, state = message
-                    for output in outputs:
-                        self.outputs.put(output)
-                    self._update(state)
-                if not self._conn.poll(0):
-                    return True
+                    continue
+                outputs, state = message
+                for output in outputs:
+                    self.outputs.put(output)
+                self._update(state)
         except (EOFError, OSError):
-            with self._send_lock:
-                self.closed = True
-            raise EngineGone("the engine's process ended") from None
+            self._gone.set()
+            self.freed.set()  # an intake waiting for a slot sees the end at once
+
+    def pump(self, wait: float = 0.0) -> bool:
+        """The engine's process steps on its own: this only waits up to `wait` for it to
+        end, and raises `EngineGone` (once) when it has."""
+        if self._told or not self._gone.wait(wait):
+            return False
+        self._told = True
+        raise EngineGone("the engine's process ended")
 
 
 def serve_queue(
