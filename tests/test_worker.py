@@ -281,7 +281,7 @@ def test_a_dead_workers_job_is_reclaimed_and_continued_without_duplicates(
     for _ in range(3):
         a.run_once()
     assert job.id not in a.in_flight
-    assert not a.engine.has_unfinished()
+    assert not a.driver.engine.has_unfinished()
     assert conn.xlen(keys.reply(job.id)) == length
     client.close()
 
