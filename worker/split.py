@@ -38,8 +38,10 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
+from tokenq.engine.outputs import RequestDelta
+from tokenq.engine.sequence import RequestMetrics
 from tokenq.worker.config import WorkerConfig
-from tokenq.worker.driver import Abort, Add, EngineDriver, EngineView, Output, Snapshot
+from tokenq.worker.driver import Abort, Add, EngineDriver, EngineView, Snapshot
 from tokenq.worker.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -177,11 +179,40 @@ class EngineHost:
                 return
 
 
-def _drain(driver: EngineDriver) -> list[Output]:
-    outputs: list[Output] = []
+def _drain(driver: EngineDriver) -> list[Any]:
+    """The driver's outputs as they cross the pipe: each step's deltas as tuples of their
+    fields (pickled at C speed, where a dataclass costs a reduce call each), a running
+    request's without its metrics (their token times grow by one each step: pickling them
+    every step would cost the engine's process time quadratic in a reply's length). The
+    final delta carries them, for the timings and latencies observed when a job ends."""
+    outputs: list[Any] = []
     while not driver.outputs.empty():
-        outputs.append(driver.outputs.get_nowait())
+        output = driver.outputs.get_nowait()
+        if isinstance(output, list):
+            outputs.append([_delta_fields(d) for d in output])
+        else:
+            outputs.append(output)
     return outputs
+
+
+def _delta_fields(d: RequestDelta) -> tuple[Any, ...]:
+    metrics = d.metrics if d.finished else None
+    return (
+        d.request_id, d.new_token_ids, d.new_text, d.finished, d.finish_reason,
+        d.prompt_tokens, d.completion_tokens, metrics, d.logprobs, d.text, d.token_ids,
+        d.error,
+    )  # fmt: skip
+
+
+# A running request's delta in the queue process: its metrics stay in the engine's process.
+NOT_SENT = RequestMetrics(arrival=0.0)
+
+
+def _delta(fields: tuple[Any, ...]) -> RequestDelta:
+    delta = RequestDelta(*fields)
+    if delta.metrics is None:
+        delta.metrics = NOT_SENT
+    return delta
 
 
 class RemoteEngine(EngineView):
@@ -243,7 +274,9 @@ class RemoteEngine(EngineView):
                     continue
                 outputs, state = message
                 for output in outputs:
-                    self.outputs.put(output)
+                    self.outputs.put(
+                        [_delta(f) for f in output] if isinstance(output, list) else output
+                    )
                 self._update(state)
         except (EOFError, OSError):
             self._gone.set()
