@@ -145,8 +145,8 @@ class EngineDriver(EngineView):
         """Apply waiting commands, then run one step if the engine holds work. With no
         work, wait up to `wait` seconds for a command first. True if a step ran."""
         idle = self.paused or not self.engine.has_unfinished()
-        self._apply(wait if idle else 0.0)
-        self._snapshot()
+        if self._apply(wait if idle else 0.0):
+            self._snapshot()  # else nothing changed since the last step's
         stepped = False
         if self.engine.has_unfinished() and not self.paused:
             stepped = True
@@ -164,8 +164,10 @@ class EngineDriver(EngineView):
             self._snapshot()
         return stepped
 
-    def _apply(self, wait: float) -> None:
+    def _apply(self, wait: float) -> bool:
+        """Apply the commands sent; True if there were any."""
         deadline = time.monotonic() + wait
+        applied = False
         while True:
             try:
                 left = deadline - time.monotonic()
@@ -174,7 +176,8 @@ class EngineDriver(EngineView):
                 else:
                     command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return applied
+            applied = True
             if isinstance(command, Abort):
                 out = self.engine.abort(command.job_id)
                 if out is not None:
