@@ -62,7 +62,7 @@ def run_batch(engine: Any, url: str, namespace: str, source: Path, workdir: Path
     the engine on the main thread, the Redis side in a process of its own."""
     from tokenq.worker.split import EngineHost, LogSettings
 
-    config = WorkerConfig(namespace=namespace, block_ms=5, served_names=(BENCH_NAME,))
+    config = WorkerConfig(namespace=namespace, served_names=(BENCH_NAME,))
     worker = EngineHost(engine, url, config, LogSettings(json=False, level="warning"))
     worker.start()
     out = workdir / f"out-{uuid.uuid4().hex[:8]}.jsonl"

@@ -122,9 +122,7 @@ def run_queue(
     from tokenq.worker.loop import Worker
     from tokenq.worker.split import EngineHost, LogSettings
 
-    config = WorkerConfig(
-        namespace=namespace, block_ms=5, served_names=(BENCH_NAME,), **worker_options
-    )
+    config = WorkerConfig(namespace=namespace, served_names=(BENCH_NAME,), **worker_options)
     outcome: dict[str, Any] = {}
     url = _url_of(conn)
     worker: Worker | EngineHost

@@ -176,7 +176,11 @@ def run_worker(args: argparse.Namespace) -> int:
     else:
         logs = LogSettings(json=args.log_format == "json", level=args.log_level)
         runner = EngineHost(engine, args.redis_url, config, logs)
-        runner.start()
+        try:
+            runner.start()
+        except RuntimeError as exc:
+            log.error("worker not started", error=str(exc))
+            return 1
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         # First signal: drain within the grace period. Second: hand back at once.

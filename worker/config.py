@@ -24,7 +24,10 @@ class WorkerConfig:
     # The names this worker serves (vLLM's --served-model-name), the first the model's id
     # in `Client.models()`: it consumes the queues of each.
     served_names: tuple[str, ...] = ()
-    block_ms: int = 100  # idle XREADGROUP BLOCK: bounds the reaction time to a stop
+    # How long a Redis thread waits for work before it looks again (the intake's doorbell
+    # XREAD BLOCK; new jobs ring it at once): bounds how soon a stop is seen. Shorter wakes
+    # the worker and Redis more often, which a host whose cores the engine fills feels.
+    block_ms: int = 100
     # A job pending this long without a heartbeat belongs to a dead worker.
     claim_idle_ms: int = 60_000
     claim_interval_s: float = 5.0  # at most; a quarter of claim_idle_ms when that is less
@@ -73,3 +76,5 @@ class WorkerConfig:
             raise ValueError("heartbeat_interval_s must be under half of claim_idle_ms")
         if self.max_deliveries < 1:
             raise ValueError("max_deliveries must be at least 1")
+        if self.block_ms < 1:
+            raise ValueError("block_ms must be at least 1")

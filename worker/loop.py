@@ -75,6 +75,9 @@ if TYPE_CHECKING:
 
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 WAKE = "wake"  # put on the engine's output queue: the publisher has settlements to send
+# While no job in flight has new events, how often the publisher still asks Redis whether
+# one was cancelled or taken over (a job with tokens coming asks with every publish).
+QUIET_PUBLISH_S = 0.25
 
 
 @dataclass
@@ -178,6 +181,7 @@ class Worker:
         self._next_heartbeat = self._next_metrics = self._next_register = 0.0
         self._last_publish = 0.0
         self._urgent = False  # a first token or an end waits for no stream interval
+        self._fresh = False  # events wait in the outboxes
         self._publish_backoff = Backoff(c.max_backoff_s)
         self._step_failures = 0
         # Either thread.
@@ -258,7 +262,7 @@ class Worker:
         structlog.contextvars.bind_contextvars(consumer=self.config.consumer)
         try:
             while not self._halt.is_set():
-                one_pass(0.05)
+                one_pass(self.config.block_ms / 1000)
         except BaseException as exc:
             self._crash = exc
             self._halt.set()
@@ -577,13 +581,13 @@ class Worker:
         now = time.monotonic()
         due = min(self._next_metrics, self._next_register)
         if self.in_flight:
-            due = min(due, self._next_heartbeat, self._last_publish + self.config.stream_interval_s)
+            due = min(due, self._next_heartbeat, self._last_publish + self._publish_interval())
         self._collect_outputs(max(0.0, min(wait, due - now)))
         if not self._publish_backoff.ready():
             time.sleep(min(wait, max(0.0, self._publish_backoff.until - time.monotonic())))
             return
         now = time.monotonic()
-        on_time = now - self._last_publish >= self.config.stream_interval_s
+        on_time = now - self._last_publish >= self._publish_interval()
         if self._settling or (self.in_flight and (self._urgent or on_time)):
             self._urgent = False
             self._last_publish = now
@@ -599,6 +603,14 @@ class Worker:
             self._next_register = now + self.config.registry_interval_s
             self._redis(self.register, self._publish_backoff)
         self.driver.paused = self._outbox_size() >= self.config.max_outbox_events
+
+    def _publish_interval(self) -> float:
+        """How long after the last publish the next one is due: the stream interval when
+        events wait; else (the jobs in flight are between tokens: a slow step, or waiting
+        for the engine) a longer one, which only asks after cancellations and ownership.
+        Each call wakes this thread and Redis, and on a host whose cores the engine's
+        threads fill, every wake-up delays a step."""
+        return self.config.stream_interval_s if self._fresh else QUIET_PUBLISH_S
 
     def _collect_outputs(self, wait: float) -> None:
         """Take every output the engine has queued, waiting up to `wait` for the first."""
@@ -627,6 +639,7 @@ class Worker:
         if inf is None:
             return  # dropped here (taken over, handed back): nothing more to say
         events = inf.continuation.translate(out, inf.job.metadata)
+        self._fresh |= bool(events)
         with self._lock:
             for event in events:
                 _append(inf.outbox, event, inf.sent)
@@ -702,6 +715,7 @@ class Worker:
         results = self.scripts.publish(
             self.fence, items + settling, c.running_reply_ttl_s, c.reply_ttl_s, c.dead_letter_maxlen
         )
+        self._fresh = False  # all that was collected went out (outputs are collected here)
         self._step_failures = 0 if jobs else self._step_failures
         finished: list[InFlight] = []
         with self._lock:

@@ -120,6 +120,7 @@ class EngineHost:
             if not ours.poll(START_TIMEOUT_S) or ours.recv() != READY:
                 raise EOFError
         except (EOFError, OSError):
+            self._process.kill()  # if it hangs rather than failed
             self._process.join(timeout=5)
             raise RuntimeError(
                 f"the queue process did not start (exit code {self._process.exitcode})"
@@ -151,7 +152,7 @@ class EngineHost:
                     self._receive(conn)
                 driver.pump()
                 outputs = _drain(driver)
-                if outputs or driver.state != last:
+                if outputs or driver.state is not last:  # replaced whole on a change
                     last = driver.state
                     conn.send((outputs, last))
         except (EOFError, OSError):
