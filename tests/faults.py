@@ -258,7 +258,8 @@ class WorkerProcess:
             "--model", str(model), "--device", "cpu", "--dtype", "float32",
             "--num-kv-blocks", "512", "--max-num-seqs", "8", "--num-threads", "1",
             "--redis-url", url, "--namespace", namespace, "--consumer", consumer,
-            "--metrics-interval", "0.5", "--served-model-name", "tiny", *(extra or []),
+            "--metrics-interval", "0.5", "--served-model-name", "tiny",
+            "--redis-side", "process", *(extra or []),
         ]  # fmt: skip
         self.log = log
         self.url, self.namespace = url, namespace

@@ -198,3 +198,25 @@ def test_a_killed_queue_process_ends_the_worker_and_its_jobs_wait_for_another(
         assert "the queue process failed" in worker.log.read_text()
     assert len(pending(conn, client.keys)) == 3
     check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
+
+
+def test_auto_gives_the_redis_side_a_process_only_where_torch_leaves_a_core(
+    tiny_model: Path,  # noqa: F811
+) -> None:
+    import torch
+
+    from tokenq.worker.split import make_worker, own_process_pays
+
+    engine = make_engine(tiny_model)
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores)
+        assert not own_process_pays(engine)
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            assert own_process_pays(engine)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="process"):
+        make_worker(engine, "redis://127.0.0.1:1", fast_config("x"), side="elsewhere")

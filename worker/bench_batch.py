@@ -60,11 +60,10 @@ def batch_file(path: Path, prompts: list[str], params: dict[str, Any]) -> Path:
 def run_batch(engine: Any, url: str, namespace: str, source: Path, workdir: Path) -> RunResult:
     """The batch command against a worker on this engine, run as `tokenq worker` runs:
     the engine on the main thread, the Redis side in a process of its own."""
-    from tokenq.worker.split import EngineHost, LogSettings
+    from tokenq.worker.split import LogSettings, make_worker
 
     config = WorkerConfig(namespace=namespace, served_names=(BENCH_NAME,))
-    worker = EngineHost(engine, url, config, LogSettings(json=False, level="warning"))
-    worker.start()
+    worker = make_worker(engine, url, config, logs=LogSettings(json=False, level="warning"))
     out = workdir / f"out-{uuid.uuid4().hex[:8]}.jsonl"
     cmd = [
         sys.executable, "-m", "tokenq.cli", "batch", "run", str(source), str(out),
@@ -82,7 +81,7 @@ def run_batch(engine: Any, url: str, namespace: str, source: Path, workdir: Path
 
     waiter = threading.Thread(target=command, daemon=True)
     waiter.start()
-    code = worker.run()
+    code = worker.run() or 0
     waiter.join()
     if code:
         raise RuntimeError(f"the worker's queue process failed (exit code {code})")

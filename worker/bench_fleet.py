@@ -96,13 +96,12 @@ def client_side(url: str, namespace: str, work: Workload, mode: str, results: An
 
 
 def run(engine: Any, url: str, work: Workload, mode: str) -> dict[str, Any]:
-    from tokenq.worker.split import EngineHost, LogSettings
+    from tokenq.worker.split import LogSettings, make_worker
 
     namespace = f"bench-fleet-{uuid.uuid4().hex[:8]}"
     conn = Client(url).redis
     config = WorkerConfig(namespace=namespace, served_names=(NAME,))
-    worker = EngineHost(engine, url, config, LogSettings(json=False, level="warning"))
-    worker.start()
+    worker = make_worker(engine, url, config, logs=LogSettings(json=False, level="warning"))
     ctx = multiprocessing.get_context("spawn")
     results = ctx.SimpleQueue()
     proc = ctx.Process(target=client_side, args=(url, namespace, work, mode, results))
@@ -116,7 +115,7 @@ def run(engine: Any, url: str, work: Workload, mode: str) -> dict[str, Any]:
     waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
     try:
-        code = worker.run()
+        code = worker.run() or 0
     finally:
         waiter.join()
         proc.join()

@@ -110,17 +110,17 @@ def run_queue(
     prompts: list[list[int]],
     params: dict[str, Any],
     client_process: Callable[..., None] | None = None,
-    one_process: bool = False,
+    redis_side: str = "auto",
     **worker_options: Any,
 ) -> RunResult:
-    """The worker runs as `tokenq worker` does: the engine in the main thread, the Redis
-    side in a process of its own (`one_process`: on threads beside the engine; always with
-    an in-process fakeredis); the client in another process (in a thread with fakeredis).
+    """The worker runs as `tokenq worker --redis-side` does: the engine in the main thread,
+    the Redis side in a process of its own or on threads (always threads with an
+    in-process fakeredis); the client in another process (in a thread with fakeredis).
     `client_process(url, namespace, prompts, params, results)` is the client's side when
     not tokenq's own Client (`tokenq bench gateway` puts the OpenAI SDK there);
     `worker_options`: WorkerConfig fields."""
     from tokenq.worker.loop import Worker
-    from tokenq.worker.split import EngineHost, LogSettings
+    from tokenq.worker.split import EngineHost, LogSettings, make_worker
 
     config = WorkerConfig(namespace=namespace, served_names=(BENCH_NAME,), **worker_options)
     outcome: dict[str, Any] = {}
@@ -140,11 +140,9 @@ def run_queue(
                 worker.stop(grace=0)
 
     else:
-        if one_process:
-            worker = Worker(engine, conn, config)
-        else:
-            worker = EngineHost(engine, url, config, LogSettings(json=False, level="warning"))
-            worker.start()  # before the clock starts: spawning takes a second or two
+        # Started before the client: spawning a queue process takes a second or two.
+        logs = LogSettings(json=False, level="warning")
+        worker = make_worker(engine, url, config, redis_side, logs)
         ctx = multiprocessing.get_context("spawn")
         results = ctx.SimpleQueue()
         target = client_process or _client_process
@@ -157,7 +155,7 @@ def run_queue(
 
     waiter = threading.Thread(target=client_side, daemon=True)
     waiter.start()
-    code = worker.run()
+    code = worker.run() or 0
     waiter.join()
     if code:
         raise RuntimeError(f"the worker's queue process failed (exit code {code})")
@@ -285,17 +283,17 @@ def main(argv: list[str] | None = None) -> None:
         help="the worker's (tokenq worker --stream-interval)",
     )
     ap.add_argument(
-        "--one-process",
-        action="store_true",
-        help="the worker's Redis side on threads of the engine's process (tokenq worker "
-        "--one-process)",
+        "--redis-side",
+        default="auto",
+        choices=("auto", "process", "threads"),
+        help="where the worker's Redis side runs (tokenq worker --redis-side)",
     )
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
     engine = engine_from(args)
     workload = w1(args.requests, args.prompt_len, args.gen)
-    interval = {"stream_interval_s": args.stream_interval, "one_process": args.one_process}
+    interval = {"stream_interval_s": args.stream_interval, "redis_side": args.redis_side}
     params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.gen}
     warmup = {**params, "max_tokens": 2}  # every prefill shape once before measuring
     conn = connect(args.redis_url)
@@ -321,8 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{workload.name}, {engine.model_config.num_layers}-layer model on {engine.device}, "
         f"stream interval {args.stream_interval} s, the worker's Redis side "
-        f"{'on threads beside the engine' if args.one_process else 'in a process of its own'}, "
-        f"best of {args.repeat}"
+        f"{args.redis_side}, best of {args.repeat}"
     )
     print(f"{'':<10}{'tok/s':>10}{'TTFT p50':>12}{'TTFT p99':>12}")
     for name, run in (("engine", direct), ("queue", queued)):

@@ -18,11 +18,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import redis
 import structlog
 
 from tokenq.engine.config import EngineConfig
-from tokenq.producer.cli import common_options, flag_option, option, parse_size
+from tokenq.producer.cli import common_options, option, parse_size
 from tokenq.producer.protocol import MODEL_RE
 from tokenq.worker.config import WorkerConfig, default_consumer
 from tokenq.worker.logs import configure_logging
@@ -112,11 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the --model alias or file/folder name",
         action="extend",
     )
-    flag_option(
+    option(
         worker,
-        "--one-process",
-        "run the Redis side on threads of the engine's process, not in a process of its "
-        "own (which leaves the engine's interpreter lock to the engine: docs/design.md)",
+        "--redis-side",
+        default="auto",
+        choices=("auto", "process", "threads"),
+        help="where the Redis work runs: a process of its own beside the engine's, which "
+        "keeps the engine's interpreter lock free, or threads of the engine's process; "
+        "auto: the process on a GPU or where torch leaves a CPU core free (docs/design.md)",
     )
     option(worker, "--log-format", default="json", choices=("json", "console"), help="log lines")
     option(worker, "--log-level", default="info", help="debug, info, warning")
@@ -157,8 +159,7 @@ def served_names(model: str, given: list[str] | None) -> tuple[str, ...]:
 
 def run_worker(args: argparse.Namespace) -> int:
     from tokenq.engine import LLMEngine
-    from tokenq.worker.loop import Worker
-    from tokenq.worker.split import EngineHost, LogSettings
+    from tokenq.worker.split import LogSettings, make_worker
 
     configure_logging(json=args.log_format == "json", level=args.log_level)
     log = structlog.get_logger("tokenq.worker")
@@ -169,18 +170,12 @@ def run_worker(args: argparse.Namespace) -> int:
     options.setdefault("consumer", default_consumer())
     names = served_names(engine_config.model, args.served_model_name)
     config = WorkerConfig(namespace=args.namespace, served_names=names, **options)
-    runner: Worker | EngineHost
-    if args.one_process:
-        conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_keepalive=True)
-        runner = Worker(engine, conn, config)
-    else:
-        logs = LogSettings(json=args.log_format == "json", level=args.log_level)
-        runner = EngineHost(engine, args.redis_url, config, logs)
-        try:
-            runner.start()
-        except RuntimeError as exc:
-            log.error("worker not started", error=str(exc))
-            return 1
+    logs = LogSettings(json=args.log_format == "json", level=args.log_level)
+    try:
+        runner = make_worker(engine, args.redis_url, config, args.redis_side, logs)
+    except RuntimeError as exc:  # the queue process did not start
+        log.error("worker not started", error=str(exc))
+        return 1
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         # First signal: drain within the grace period. Second: hand back at once.
@@ -188,10 +183,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    if isinstance(runner, Worker):
-        runner.run()
-        return 0
-    return runner.run()
+    return runner.run() or 0
 
 
 def run_demo(args: argparse.Namespace) -> int:

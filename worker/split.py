@@ -47,6 +47,7 @@ from tokenq.worker.logs import configure_logging
 if TYPE_CHECKING:
     from tokenq.engine.llm_engine import LLMEngine
     from tokenq.engine.prompts import Prompts
+    from tokenq.worker.loop import Worker
 
 START_TIMEOUT_S = 120.0  # spawning imports redis-py, structlog and the tokenizer
 
@@ -290,6 +291,45 @@ class RemoteEngine(EngineView):
             return False
         self._told = True
         raise EngineGone("the engine's process ended")
+
+
+SIDES = ("auto", "process", "threads")
+
+
+def own_process_pays(engine: LLMEngine) -> bool:
+    """Whether the Redis side runs faster beside the engine in a process of its own than
+    on threads of the engine's process: yes where the engine computes on a device, or on
+    CPU cores it leaves free. Where torch's threads fill every core the process adds one
+    more thing to schedule on them, and the threads measured better (docs/performance.md:
+    the default model on 2 cores at 2 threads, 0.97-1.00 on threads against 0.95-0.96)."""
+    if engine.device.type != "cpu":
+        return True
+    import torch
+
+    return torch.get_num_threads() < len(os.sched_getaffinity(0))
+
+
+def make_worker(
+    engine: LLMEngine,
+    redis_url: str,
+    config: WorkerConfig,
+    side: str = "auto",
+    logs: LogSettings | None = None,
+) -> Worker | EngineHost:
+    """The worker `tokenq worker --redis-side` runs: an `EngineHost` whose queue process
+    is started ("process"), or a `Worker` on threads ("threads"); "auto" asks
+    `own_process_pays`. Either has `run()` (to call on the main thread), `stop()` and
+    `stopping`."""
+    from tokenq.worker.loop import Worker
+
+    if side not in SIDES:
+        raise ValueError(f"the Redis side runs in one of {SIDES}, not {side!r}")
+    if side == "process" or (side == "auto" and own_process_pays(engine)):
+        host = EngineHost(engine, redis_url, config, logs)
+        host.start()
+        return host
+    conn = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_keepalive=True)
+    return Worker(engine, conn, config)
 
 
 def serve_queue(
