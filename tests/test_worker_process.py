@@ -46,6 +46,11 @@ def tokens_so_far(conn: redis.Redis, client: Client, job: Job) -> int:
     return sum(len(e.token_ids) for e in events if isinstance(e, TokenEvent))
 
 
+def wait_started(conn: redis.Redis, client: Client, jobs: list[Job]) -> None:
+    """Until every job has a token in its reply stream: all are mid-generation."""
+    wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+
+
 def submit(client: Client, n: int, max_tokens: int) -> tuple[list[Job], list[dict]]:
     prompts = [f"story number {i}" for i in range(n)]
     jobs = client.submit_many(make_request(p, max_tokens=max_tokens, **GREEDY) for p in prompts)
@@ -63,7 +68,7 @@ def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(
     conn = client.redis
     jobs, _ = submit(client, 3, 300)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 60) as worker:
-        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        wait_started(conn, client, jobs)
         worker.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # let the handler run before anything new arrives
         later = client.submit("submitted after the stop", max_tokens=4)
@@ -87,7 +92,7 @@ def test_sigterm_past_the_grace_leaves_jobs_for_another_worker(
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 0) as worker:
-        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        wait_started(conn, client, jobs)
         worker.proc.send_signal(signal.SIGTERM)
         worker.wait_clean_exit(timeout=30)
     held = pending(conn, client.keys)
@@ -108,7 +113,7 @@ def test_a_killed_worker_loses_no_job_and_duplicates_no_token(
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 30) as worker:
-        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        wait_started(conn, client, jobs)
         worker.kill()
     assert len(pending(conn, client.keys)) == 3
     check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
@@ -149,7 +154,7 @@ def test_ctrl_c_reaching_both_processes_counts_as_one_stop(
     conn = client.redis
     jobs, _ = submit(client, 3, 300)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 60) as worker:
-        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        wait_started(conn, client, jobs)
         worker.signal_all(signal.SIGINT)
         worker.wait_clean_exit(timeout=60)
     for job in jobs:
@@ -170,7 +175,7 @@ def test_a_killed_engine_process_has_its_jobs_handed_back_at_once(
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 30) as worker:
-        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        wait_started(conn, client, jobs)
         queue_pid = worker.queue_pid()
         os.kill(worker.pid, signal.SIGKILL)
         wait_for(lambda: not Path(f"/proc/{queue_pid}").exists(), timeout=30)
@@ -192,7 +197,7 @@ def test_a_killed_queue_process_ends_the_worker_and_its_jobs_wait_for_another(
     conn = client.redis
     jobs, requests = submit(client, 3, 200)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 30) as worker:
-        wait_for(lambda: all(tokens_so_far(conn, client, j) > 0 for j in jobs), timeout=60)
+        wait_started(conn, client, jobs)
         os.kill(worker.queue_pid(), signal.SIGKILL)
         assert worker.proc.wait(timeout=30) != 0
         assert "the queue process failed" in worker.log.read_text()

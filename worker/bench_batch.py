@@ -59,7 +59,7 @@ def batch_file(path: Path, prompts: list[str], params: dict[str, Any]) -> Path:
 
 def run_batch(engine: Any, url: str, namespace: str, source: Path, workdir: Path) -> RunResult:
     """The batch command against a worker on this engine, run as `tokenq worker` runs:
-    the engine on the main thread, the Redis side in a process of its own."""
+    the engine on the main thread, the Redis side where `--redis-side auto` puts it."""
     from tokenq.worker.split import LogSettings, make_worker
 
     config = WorkerConfig(namespace=namespace, served_names=(BENCH_NAME,))

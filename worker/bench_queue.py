@@ -25,7 +25,7 @@ import redis
 
 from tokenq.producer.client import DEFAULT_REDIS_URL, Client, make_request
 from tokenq.producer.protocol import DoneEvent, ErrorEvent, TokenEvent
-from tokenq.worker.config import WorkerConfig
+from tokenq.worker.config import REDIS_SIDES, WorkerConfig
 from tokenq.worker.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--redis-side",
         default="auto",
-        choices=("auto", "process", "threads"),
+        choices=REDIS_SIDES,
         help="where the worker's Redis side runs (tokenq worker --redis-side)",
     )
     args = ap.parse_args(argv)

@@ -23,7 +23,7 @@ import structlog
 from tokenq.engine.config import EngineConfig
 from tokenq.producer.cli import common_options, option, parse_size
 from tokenq.producer.protocol import MODEL_RE
-from tokenq.worker.config import WorkerConfig, default_consumer
+from tokenq.worker.config import REDIS_SIDES, WorkerConfig, default_consumer
 from tokenq.worker.logs import configure_logging
 
 # EngineConfig field -> (parser of the flag's value, help)
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         worker,
         "--redis-side",
         default="auto",
-        choices=("auto", "process", "threads"),
+        choices=REDIS_SIDES,
         help="where the Redis work runs: a process of its own beside the engine's, which "
         "keeps the engine's interpreter lock free, or threads of the engine's process; "
         "auto: the process on a GPU or where torch leaves a CPU core free (docs/design.md)",

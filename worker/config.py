@@ -16,6 +16,10 @@ def default_consumer() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+# Where a worker's Redis work runs (`tokenq worker --redis-side`, worker/split.py).
+REDIS_SIDES = ("auto", "process", "threads")
+
+
 @dataclass
 class WorkerConfig:
     namespace: str = DEFAULT_NAMESPACE

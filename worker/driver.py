@@ -66,7 +66,6 @@ Output = list["RequestDelta"] | Refused | Failed
 class Snapshot:
     """What the Redis side reads of the engine, taken between two steps."""
 
-    busy: bool  # the engine holds requests
     free: int  # requests it could admit now
     free_by_lane: tuple[int, int, int]  # interactive, default, batch: see free_slots
     stats: EngineStats
@@ -74,14 +73,12 @@ class Snapshot:
 
     @classmethod
     def of(cls, engine: LLMEngine, applied: int) -> Snapshot:
-        lanes = tuple(engine.free_capacity(priority=p) for p in (-1, 0, 1))
-        return cls(
-            engine.has_unfinished(),
-            engine.free_capacity(),
-            lanes,
-            engine.stats(),
-            applied,  # type: ignore[arg-type]
+        lanes = (
+            engine.free_capacity(priority=-1),
+            engine.free_capacity(priority=0),
+            engine.free_capacity(priority=1),
         )
+        return cls(engine.free_capacity(), lanes, engine.stats(), applied)
 
 
 class EngineView:
@@ -99,14 +96,10 @@ class EngineView:
         return self.state.stats
 
     @property
-    def free_capacity(self) -> int:
-        """Requests the engine could admit now, less those sent but not applied yet."""
-        return self.state.free - (self._sent - self.state.applied)
-
-    @property
     def free_slots(self) -> tuple[int, int, int]:
-        """As `free_capacity`, per lane (interactive, default, batch): a lane may also use
-        the slots of lower-priority work the engine would preempt for it."""
+        """Requests the engine could admit now, less those sent but not applied yet, per
+        lane (interactive, default, batch): a lane may also use the slots of lower-priority
+        work the engine would preempt for it."""
         pending = self._sent - self.state.applied
         return tuple(max(0, free - pending) for free in self.state.free_by_lane)  # type: ignore[return-value]
 

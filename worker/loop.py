@@ -149,14 +149,13 @@ class Worker:
     ) -> None:
         # `driver`: the engine is in another process (worker/split.py), `engine` is then
         # only its prompts' rules: the intake tokenizes here, off the engine's process.
+        self.prompts = engine if isinstance(engine, Prompts) else engine.prompts
         self.driver: EngineDriver | RemoteEngine
         if driver is None:
-            assert not isinstance(engine, Prompts)
+            assert not isinstance(engine, Prompts), "a worker on threads needs the engine"
             self.driver = EngineDriver(engine)
-            self.prompts = engine.prompts
         else:
             self.driver = driver
-            self.prompts = engine if isinstance(engine, Prompts) else engine.prompts
         self.redis = conn
         self.config = c = config or WorkerConfig()
         if not c.served_names:

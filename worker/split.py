@@ -40,7 +40,7 @@ import structlog
 
 from tokenq.engine.outputs import RequestDelta
 from tokenq.engine.sequence import RequestMetrics
-from tokenq.worker.config import WorkerConfig
+from tokenq.worker.config import REDIS_SIDES, WorkerConfig
 from tokenq.worker.driver import Abort, Add, EngineDriver, EngineView, Snapshot
 from tokenq.worker.logs import configure_logging
 
@@ -293,9 +293,6 @@ class RemoteEngine(EngineView):
         raise EngineGone("the engine's process ended")
 
 
-SIDES = ("auto", "process", "threads")
-
-
 def own_process_pays(engine: LLMEngine) -> bool:
     """Whether the Redis side runs faster beside the engine in a process of its own than
     on threads of the engine's process: yes where the engine computes on a device, or on
@@ -322,14 +319,18 @@ def make_worker(
     `stopping`."""
     from tokenq.worker.loop import Worker
 
-    if side not in SIDES:
-        raise ValueError(f"the Redis side runs in one of {SIDES}, not {side!r}")
+    if side not in REDIS_SIDES:
+        raise ValueError(f"the Redis side runs in one of {REDIS_SIDES}, not {side!r}")
     if side == "process" or (side == "auto" and own_process_pays(engine)):
         host = EngineHost(engine, redis_url, config, logs)
         host.start()
         return host
-    conn = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_keepalive=True)
-    return Worker(engine, conn, config)
+    return Worker(engine, connect(redis_url), config)
+
+
+def connect(redis_url: str) -> redis.Redis:
+    """The worker's connection, in whichever process its Redis side runs."""
+    return redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_keepalive=True)
 
 
 def serve_queue(
@@ -348,8 +349,7 @@ def serve_queue(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(json=logs.json, level=logs.level)
     engine = RemoteEngine(conn, state, engine_pid)
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_keepalive=True)
-    worker = Worker(prompts, client, config, driver=engine)
+    worker = Worker(prompts, connect(redis_url), config, driver=engine)
     engine.on_stop = worker.stop
     conn.send(READY)
     try:
