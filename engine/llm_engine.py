@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.counters: Counter[str] = Counter()
+        self._in_flight: list[ScheduledSeq] = []  # the step whose pass runs now
 
     @property
     def backend(self) -> AttentionBackend:
@@ -181,7 +183,7 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[RequestDelta]:
+    def step(self, between_layers: Callable[[], object] | None = None) -> list[RequestDelta]:
         """One forward pass over what the scheduler picked, and the tokens it yields.
 
         A request whose own processing raises (its forward pass, sampling its row,
@@ -189,6 +191,9 @@ class LLMEngine:
         ``RequestDelta.error``; every other request carries on with its normal tokens.
         Raises ``StepFailed`` only when the forward pass fails for every request of a batch
         of several, each run alone too: then no request has advanced.
+
+        ``between_layers`` is called between two layers of the pass; it may add requests
+        and run ``step_ahead`` (and nothing else of this engine's).
         """
         outputs = self._expire_deadlines()
         sched = self.scheduler.schedule()
@@ -198,14 +203,48 @@ class LLMEngine:
         self.counters["preemptions_priority"] += causes["priority"]
         if not sched.scheduled:
             return outputs
-        ran, culprits = self._run(sched.scheduled, finished=outputs)
+        self._in_flight = sched.scheduled
+        try:
+            ran, culprits = self._run(sched.scheduled, outputs, between_layers)
+        finally:
+            self._in_flight = []
         for scheduled, samples in ran:
             outputs += self._update(scheduled, samples)
         return outputs + [self._fail(seq, error) for seq, error in culprits]
 
-    def _run(self, batch: list[ScheduledSeq], finished: list[RequestDelta]) -> tuple[Ran, Culprits]:
+    @torch.inference_mode()
+    def step_ahead(self) -> list[RequestDelta]:
+        """From ``between_layers`` only: a step of its own, run now, for waiting requests
+        that outrank every request of the step in flight (``Scheduler.schedule_ahead``),
+        so that a request which cannot wait (an interactive one behind a batch step that
+        takes seconds on a CPU) has its first token without waiting for that step to end.
+        Nothing if no waiting request outranks it. Its requests fail alone, if at all:
+        the step in flight goes on."""
+        if not self._in_flight or not self.scheduler.waiting:
+            return []
+        best = min(s.seq.priority for s in self._in_flight)
+        sched = self.scheduler.schedule_ahead(best)
+        if not sched.scheduled:
+            return []
+        self.counters["steps_ahead"] += 1
+        try:
+            ran, culprits = self._run(sched.scheduled, [])
+        except StepFailed as exc:
+            ran, culprits = [], [(s.seq, exc) for s in sched.scheduled]
+        outputs: list[RequestDelta] = []
+        for scheduled, samples in ran:
+            outputs += self._update(scheduled, samples)
+        return outputs + [self._fail(seq, error) for seq, error in culprits]
+
+    def _run(
+        self,
+        batch: list[ScheduledSeq],
+        finished: list[RequestDelta],
+        between_layers: Callable[[], object] | None = None,
+    ) -> tuple[Ran, Culprits]:
         """The batch on the model runner (forward pass, sampling); if the forward pass
-        raises, the request(s) it fails for, found by bisection.
+        raises, the request(s) it fails for, found by bisection (without
+        ``between_layers``: what it took in was taken, and may have raised).
 
         Nothing has advanced: ``schedule()`` only allocated blocks and admitted or preempted
         requests, which stays valid for any part of the batch, and ``num_computed_tokens``
@@ -216,7 +255,7 @@ class LLMEngine:
         only. ``finished`` is what the step already finished, for ``StepFailed``.
         """
         try:
-            return [(batch, self.model_runner.run(batch))], []
+            return [(batch, self.model_runner.run(batch, between_layers))], []
         except Exception as exc:
             first_error = exc
         ran: Ran = []

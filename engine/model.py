@@ -147,6 +147,7 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
         logits_indices: torch.Tensor,
+        between_layers: Callable[[], object] | None = None,
     ) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` for the chosen token positions.
 
@@ -154,6 +155,10 @@ class LlamaModel:
         the new tokens' K/V are written into it before attention reads it. Each sublayer's
         output is added to the residual stream by the next norm (``delta``), and Q and K are
         rotated in place inside the QKV product, so that the fused ops do each in one pass.
+
+        ``between_layers`` is called after each layer but the last. It may run another
+        forward pass (a step ahead: engine/llm_engine.py): this one's state is local, and
+        that pass writes only blocks this one does not read.
         """
         self.backend.prepare(meta, kv_cache.shape[3])
         cfg, ops = self.cfg, self.ops
@@ -182,5 +187,7 @@ class LlamaModel:
             self.backend.attention(q, k_cache, v_cache, meta, self.scale, attn_out)
             y = ops.add_rms_norm(x, layer.o(attn_out.view(n, q_size)), layer.post_norm, eps, y)
             delta = layer.down(ops.silu_mul(layer.gate_up(y), act))
+            if between_layers is not None and i + 1 < len(self.layers):
+                between_layers()
         y = ops.add_rms_norm(x, delta, self.norm, eps, y)
         return self.lm_head(y[logits_indices])

@@ -7,6 +7,8 @@ one sampled token for each request that reached the end of its known tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenq.engine.attention import AttentionBackend, AttentionMetadata
@@ -59,14 +61,21 @@ class ModelRunner:
         )
         self.eos_token_ids = checkpoint.eos_token_ids
 
-    def run(self, scheduled: list[ScheduledSeq]) -> list[SampleResult | Exception]:
+    def run(
+        self,
+        scheduled: list[ScheduledSeq],
+        between_layers: Callable[[], object] | None = None,
+    ) -> list[SampleResult | Exception]:
         """The forward pass over the batch (raising if it fails), then a token for each
         request that reaches the end of its known tokens (``ScheduledSeq.samples``), in
-        batch order; a request whose own sampling fails gets its exception instead."""
-        logits = self._forward(scheduled)
+        batch order; a request whose own sampling fails gets its exception instead.
+        ``between_layers``: see ``LlamaModel.forward``."""
+        logits = self._forward(scheduled, between_layers)
         return self._sample([s.seq for s in scheduled if s.samples], logits)
 
-    def _forward(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def _forward(
+        self, scheduled: list[ScheduledSeq], between_layers: Callable[[], object] | None
+    ) -> torch.Tensor:
         """Float32 CPU logits, one row per request that samples."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -108,6 +117,7 @@ class ModelRunner:
             meta,
             self.kv_cache,
             t(logits_indices, torch.long),
+            between_layers,
         )
         return logits.to("cpu", torch.float32)
 

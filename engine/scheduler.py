@@ -27,6 +27,15 @@ Rules that keep preemption from thrashing:
   other back and forth. Lower priorities wait while higher-priority work keeps the engine
   full (strict priority, as in vLLM).
 
+A step ahead (``schedule_ahead``) is a step run between two layers of the step in flight,
+for waiting requests that outrank every request in that step: on a CPU a step takes
+hundreds of milliseconds, and an interactive request that waited for it would double its
+time to first token. It preempts nothing (the requests in flight hold their blocks until
+their pass ends), and it admits beyond ``max_num_seqs`` rather than wait for a seat: the
+seats are given back as requests end (nothing is admitted while the engine is over the cap
+but by priority preemption), not by preempting a lower-priority request at once, which
+would throw its work away for a seat a few steps would free anyway.
+
 The token budget is no cause for preemption: running requests are served first, so a
 higher-priority request may wait while lower-priority prefills already running take the
 whole budget. That wait is bounded: those prefills end, and new ones are admitted after it.
@@ -211,13 +220,38 @@ class Scheduler:
                 break
             for victim in victims:
                 budget += self._preempt(victim, "priority", out)
-            heapq.heappop(self.waiting)
-            bm.allocate_prefix(seq, hits)
-            bm.grow(seq, computed + n)
-            seq.transition(RequestState.PREFILLING)
-            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
-            out.scheduled.append(ScheduledSeq(seq, n, computed))
-            budget -= n
+            budget -= self._admit(seq, hits, n, out)
+
+    def schedule_ahead(self, priority: int) -> SchedulerOutput:
+        """A step ahead of the one in flight, whose best priority is ``priority``: waiting
+        requests of strictly higher priority, in order, as far as free blocks and the token
+        budget go, with no preemption and no sequence cap (see the module's docstring)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        while self.waiting and budget > 0 and self.waiting[0][1].priority < priority:
+            seq = self.waiting[0][1]
+            hits = bm.match_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * bm.block_size, budget)
+            if not bm.can_allocate(
+                bm.blocks_needed(len(hits) * bm.block_size + n) - len(hits), hits
+            ):
+                break
+            budget -= self._admit(seq, hits, n, out)
+        return out
+
+    def _admit(self, seq: Sequence, hits: list[int], n: int, out: SchedulerOutput) -> int:
+        """Start the first waiting request on its cached prefix ``hits`` and a first chunk
+        of ``n`` tokens; returns ``n``."""
+        bm = self.block_manager
+        heapq.heappop(self.waiting)
+        bm.allocate_prefix(seq, hits)
+        computed = seq.num_computed_tokens
+        bm.grow(seq, computed + n)
+        seq.transition(RequestState.PREFILLING)
+        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+        out.scheduled.append(ScheduledSeq(seq, n, computed))
+        return n
 
     def _make_room(
         self, seq: Sequence, num_new_blocks: int, hits: list[int]

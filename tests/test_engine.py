@@ -614,3 +614,41 @@ def test_a_stream_of_interactive_requests_preempts_each_batch_request_boundedly(
     assert 0 < engine.counters["preemptions_priority"] <= len(stream)
     assert max(s.num_preemptions for s in seqs) <= len(stream)
     assert {r: timeline.tokens[r] for r in unpreempted} == unpreempted
+
+
+def test_an_interactive_request_added_during_a_batch_step_has_its_first_token_before_it_ends(
+    tiny_dir: Path,
+):
+    """Added between two layers of a full batch step, it runs a step ahead there: its
+    first token comes out of that call, and every request's tokens stay exact."""
+    batch, interactive = prompts(4), prompts(5)[4]
+    unpreempted = run(make_engine(tiny_dir), batch, BATCH)
+    alone = run(make_engine(tiny_dir), [interactive], INTERACTIVE)["r0"]
+    engine = make_engine(tiny_dir, max_num_seqs=4)
+    timeline = Timeline(engine)
+    add_all(engine, batch, BATCH, priority=5)
+    for _ in range(3):
+        timeline.step()
+    ahead: list = []
+    layers = []
+
+    def between_layers() -> None:
+        layers.append(len(layers))
+        if len(layers) == 1:
+            engine.add_request("hi", prompt_token_ids=interactive, params=INTERACTIVE, priority=-1)
+            ahead.extend(engine.step_ahead())
+        assert engine.step_ahead() == []  # nothing more outranks the batch step
+
+    outputs = engine.step(between_layers)
+    assert len(layers) == engine.model_config.num_layers - 1
+    assert [(o.request_id, o.new_token_ids) for o in ahead] == [("hi", alone[:1])]
+    assert "hi" not in {o.request_id for o in outputs} and len(outputs) == 4
+    assert engine.counters["steps_ahead"] == 1
+    # Five requests on four seats: they keep them; nothing is preempted.
+    timeline.tokens["hi"] = list(ahead[0].new_token_ids)
+    for o in outputs:
+        timeline.tokens[o.request_id] += o.new_token_ids
+    timeline.run_to_end()
+    assert timeline.tokens["hi"] == alone and timeline.finished[0] == "hi"
+    assert {r: timeline.tokens[r] for r in unpreempted} == unpreempted
+    assert engine.counters["preemptions"] == 0

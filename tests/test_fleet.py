@@ -3,6 +3,7 @@ tenants served in turn, back-pressure per lane."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,8 +24,9 @@ from tests.test_worker_support import (
 )
 from tokenq import Client, QueueFull, UnknownModel
 from tokenq.producer.client import make_request
-from tokenq.producer.protocol import ErrorEvent, pack
+from tokenq.producer.protocol import ErrorEvent, TokenEvent, pack
 from tokenq.worker.loop import Worker
+from tokenq.worker.split import make_worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -259,11 +261,68 @@ def test_an_interactive_job_preempts_a_full_worker_of_batch_jobs(
         urgent.result(timeout=30)
         assert all(j.status() == "running" for j in batch)  # it did not wait for them
         replies = [check_reply(list(j.stream(timeout=120))) for j in batch]
-    assert worker.driver.stats.counters["preemptions_priority"] >= 1
+    # It took a batch job's slot, or (had it come during a step) a seat ahead of them.
+    counters = worker.driver.stats.counters
+    assert counters.get("preemptions_priority", 0) + counters.get("steps_ahead", 0) >= 1
     expected = reference_run(
         tiny_model, [{"prompt": f"long {i}", "params": params} for i in range(2)]
     )
     for reply, (_, final) in zip(replies, expected, strict=True):
         assert reply.done.token_ids == final.token_ids
         assert not any(e.type == "restart" for e in reply.events)
+    client.close()
+
+
+@pytest.mark.parametrize("side", ["threads", "process"])
+def test_an_interactive_jobs_first_token_is_published_before_the_batch_step_in_flight_ends(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    side: str,
+) -> None:
+    """A batch step is held between two layers, an interactive job is submitted, and the
+    step goes on only once that job's first token is in Redis: the job ran a step ahead,
+    and its token was published, from inside the batch step. Every job's tokens stay
+    those of the engine alone."""
+    client = Client(redis_url, namespace=redis_namespace, model="tiny", require_worker=False)
+    params = {"max_tokens": 1000, **GREEDY}
+    batch = client.submit_many(make_request(f"long {i}", lane="batch", **params) for i in range(2))
+    config = fast_config(redis_namespace, served_names=("tiny",))
+    worker = make_worker(make_engine(tiny_model), redis_url, config, side=side)
+    take_in = worker.driver.between_layers  # the two-process host's, or the driver's own
+    armed, holding, published = threading.Event(), threading.Event(), threading.Event()
+    ran_ahead: list[bool] = []
+
+    def between_layers() -> bool:
+        if holding.is_set() or not armed.is_set():
+            return take_in()
+        holding.set()
+        deadline = time.monotonic() + 30
+        while not ran_ahead and time.monotonic() < deadline:
+            if take_in():  # once the interactive job has come and run ahead
+                ran_ahead.append(True)
+            time.sleep(0.001)
+        published.wait(30)
+        return bool(ran_ahead)
+
+    worker.driver.between_layers = between_layers
+    with WorkerThread(worker):
+        wait_for(lambda: all(j.status() == "running" for j in batch))
+        armed.set()
+        assert holding.wait(30)
+        urgent = client.submit("now please", lane="interactive", max_tokens=4, **GREEDY)
+        events = []
+        for event in urgent.stream(timeout=30):
+            events.append(event)
+            if isinstance(event, TokenEvent):
+                break
+        published.set()
+        assert ran_ahead == [True]
+        events += urgent.stream(after=events[-1].event_id, timeout=60)
+        replies = [check_reply(events)] + [check_reply(list(j.stream(timeout=120))) for j in batch]
+    requests = [{"prompt": "now please", "params": {"max_tokens": 4, **GREEDY}}]
+    requests += [{"prompt": f"long {i}", "params": params} for i in range(2)]
+    for reply, (_, final) in zip(replies, reference_run(tiny_model, requests), strict=True):
+        assert reply.done.token_ids == final.token_ids
+    assert worker.driver.stats.counters["steps_ahead"] >= 1
     client.close()

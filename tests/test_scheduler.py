@@ -24,8 +24,12 @@ def seq(rid: str, n_tokens: int, priority: int = 0, order: int = 0) -> Sequence:
 
 
 def advance(sched: Scheduler) -> SchedulerOutput:
-    """Schedule, then pretend the model ran: advance computed tokens, sample a token."""
-    out = sched.schedule()
+    """Schedule, then pretend the model ran."""
+    return ran(sched.schedule())
+
+
+def ran(out: SchedulerOutput) -> SchedulerOutput:
+    """Pretend the model ran the step: advance computed tokens, sample a token."""
     for s in out.scheduled:
         s.seq.num_computed_tokens = s.start + s.num_tokens
         if s.samples:
@@ -236,3 +240,32 @@ def test_invalid_sampling_parameters_name_the_parameter() -> None:
         with pytest.raises(InvalidRequest) as err:
             SamplingParams.from_dict(bad)
         assert err.value.code == "invalid_params" and name in str(err.value)
+
+
+def test_a_step_ahead_admits_only_what_outranks_the_step_in_flight_and_preempts_nothing() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    b0, b1 = seq("b0", 3, 5, order=0), seq("b1", 3, 5, order=1)
+    started(sched, b0, b1)
+    sched.add(seq("also-batch", 3, 5, order=2))
+    sched.add(seq("hi", 4, -1, order=3))
+    out = ran(sched.schedule_ahead(5))
+    # Beyond max_num_seqs, and only the request that outranks the batch in flight.
+    assert fed(out) == [("hi", 4)] and not out.preempted
+    assert [s.request_id for s in sched.running] == ["hi", "b0", "b1"]
+    assert fed(sched.schedule_ahead(-1)) == []  # nothing outranks an interactive step
+    # Over the cap, the engine keeps its requests and admits nothing of their priority
+    # until one ends.
+    for _ in range(2):
+        out = advance(sched)
+        assert not out.preempted and fed(out) == [("hi", 1), ("b0", 1), ("b1", 1)]
+    sched.remove(b0)
+    sched.remove(b1)
+    assert fed(advance(sched)) == [("hi", 1), ("also-batch", 3)]
+
+
+def test_a_step_ahead_waits_when_no_free_block_is_left() -> None:
+    sched = Scheduler(BlockManager(4, 2), max_num_seqs=8, max_num_batched_tokens=100)
+    batch = seq("batch", 7, 5, order=0)
+    started(sched, batch, steps=1)  # 8 tokens in 4 blocks: the pool is full
+    sched.add(seq("hi", 3, -1, order=1))
+    assert fed(sched.schedule_ahead(5)) == [] and sched.num_waiting == 1

@@ -1,8 +1,9 @@
 """The engine's side of a worker: one thread that only steps the engine.
 
 Redis work happens on other threads (worker/loop.py). They talk to the engine through
-this driver only: requests and aborts go in as commands, applied between two steps; each
-step's outputs come out on a queue. So the next step starts as soon as the engine's own
+this driver only: requests and aborts go in as commands, applied between two steps
+(requests also between two layers of a step: `take_in`); each step's outputs come out on
+a queue. So the next step starts as soon as the engine's own
 bookkeeping is done, whatever Redis is doing, and the engine is never touched by two
 threads at once.
 """
@@ -13,6 +14,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +126,9 @@ class EngineDriver(EngineView):
         # Set by the Redis side while it cannot publish fast enough: no step runs, so the
         # events waiting to be published stop growing.
         self.paused = False
+        self._held: list[Abort] = []  # came during a pass: applied after it
+        # What a step calls between two layers; the two-process host wraps it.
+        self.between_layers: Callable[[], bool] = self.take_in
 
     def add(self, commands: list[Add]) -> None:
         """Start requests; those sent together are applied together, so one step can
@@ -144,7 +149,7 @@ class EngineDriver(EngineView):
         if self.engine.has_unfinished() and not self.paused:
             stepped = True
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(self.between_layers)
             except StepFailed as exc:
                 cause = exc.__cause__ or exc
                 error = clip(f"{type(cause).__name__}: {cause}", 300)
@@ -157,10 +162,36 @@ class EngineDriver(EngineView):
             self._snapshot()
         return stepped
 
+    def take_in(self) -> bool:
+        """Between two layers of a step: start the requests sent meanwhile, and run the
+        engine's step ahead for those that outrank the step in flight (their first token
+        then waits for no more than a layer of it). Aborts wait for the pass to end, since
+        the pass writes its requests' blocks. True if a step ahead ran."""
+        if self._commands.empty():
+            return False
+        added = False
+        while not self._commands.empty():
+            command = self._commands.get_nowait()
+            if isinstance(command, Abort):
+                self._held.append(command)
+            else:
+                for add in command:
+                    self._applied += 1
+                    self._start(add)
+                added = True
+        outputs = self.engine.step_ahead() if added else []
+        if outputs:
+            self.outputs.put(outputs)
+        self._snapshot()
+        return bool(outputs)
+
     def _apply(self, wait: float) -> bool:
         """Apply the commands sent; True if there were any."""
         deadline = time.monotonic() + wait
-        applied = False
+        applied = bool(self._held)
+        for command in self._held:
+            self._abort(command)
+        self._held.clear()
         while True:
             try:
                 left = deadline - time.monotonic()
@@ -172,15 +203,18 @@ class EngineDriver(EngineView):
                 return applied
             applied = True
             if isinstance(command, Abort):
-                out = self.engine.abort(command.job_id)
-                if out is not None:
-                    self.outputs.put([out])
+                self._abort(command)
             else:
                 for add in command:
                     self._applied += 1
                     self._start(add)
             wait = 0.0  # once something came, take only what is already there
             deadline = time.monotonic()
+
+    def _abort(self, command: Abort) -> None:
+        out = self.engine.abort(command.job_id)
+        if out is not None:
+            self.outputs.put([out])
 
     def _start(self, add: Add) -> None:
         try:

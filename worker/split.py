@@ -93,6 +93,7 @@ class EngineHost:
     ) -> None:
         self.engine = engine
         self.driver = EngineDriver(engine)
+        self.driver.between_layers = self._between_layers
         self.redis_url = redis_url
         self.config = config
         self.logs = logs or LogSettings()
@@ -165,6 +166,21 @@ class EngineHost:
             # Negative: killed by that signal. Its jobs wait for a worker's XAUTOCLAIM.
             self.log.error("the queue process failed", exit_code=code)
         return code if code >= 0 else 1
+
+    def _between_layers(self) -> bool:
+        """The driver's `take_in`, with what came over the pipe since the step began, and
+        its step ahead's outputs sent at once: that first token is what it ran for."""
+        conn = self._conn
+        assert conn is not None
+        try:
+            if conn.poll(0):
+                self._receive(conn)
+            ran = self.driver.take_in()
+            if ran:
+                conn.send((_drain(self.driver), self.driver.state))
+        except (EOFError, OSError):
+            return False  # the queue process ended: run() sees it after this step
+        return ran
 
     def _receive(self, conn: Connection) -> None:
         """Take every command waiting in the pipe (the driver applies them before its
