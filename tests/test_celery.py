@@ -82,9 +82,9 @@ class Stack:
         if step_delay:
             step = engine.step
 
-            def slow_step() -> Any:
+            def slow_step(between_layers: Any = None) -> Any:
                 time.sleep(step_delay)
-                return step()
+                return step(between_layers)
 
             engine.step = slow_step  # type: ignore[method-assign]
         return WorkerThread(Worker(engine, conn, fast_config(self.namespace, consumer="w1")))

@@ -56,10 +56,10 @@ class StepClock:
         self._reset()
         step = engine.step
 
-        def timed() -> Any:
+        def timed(between_layers: Any = None) -> Any:
             began = time.monotonic()
             try:
-                return step()
+                return step(between_layers)
             finally:
                 ended = time.monotonic()
                 self.stepping += ended - began

@@ -159,8 +159,11 @@ class EngineHost:
                     conn.send((outputs, last))
         except (EOFError, OSError):
             pass  # the queue process ended: it has published and handed back what it held
-        conn.close()
-        self._process.join()
+        finally:
+            # Also when this process fails: the closed pipe ends the queue process, which
+            # hands its jobs back (else the two would wait on each other at exit).
+            conn.close()
+            self._process.join()
         code = self._process.exitcode or 0
         if code:
             # Negative: killed by that signal. Its jobs wait for a worker's XAUTOCLAIM.
