@@ -208,9 +208,7 @@ class LLMEngine:
             ran, culprits = self._run(sched.scheduled, outputs, between_layers)
         finally:
             self._in_flight = []
-        for scheduled, samples in ran:
-            outputs += self._update(scheduled, samples)
-        return outputs + [self._fail(seq, error) for seq, error in culprits]
+        return outputs + self._deltas(ran, culprits)
 
     @torch.inference_mode()
     def step_ahead(self) -> list[RequestDelta]:
@@ -231,6 +229,11 @@ class LLMEngine:
             ran, culprits = self._run(sched.scheduled, [])
         except StepFailed as exc:
             ran, culprits = [], [(s.seq, exc) for s in sched.scheduled]
+        return self._deltas(ran, culprits)
+
+    def _deltas(self, ran: Ran, culprits: Culprits) -> list[RequestDelta]:
+        """A pass's outcome: the parts that ran, booked with their tokens, then the
+        requests that failed alone."""
         outputs: list[RequestDelta] = []
         for scheduled, samples in ran:
             outputs += self._update(scheduled, samples)

@@ -232,10 +232,9 @@ class Scheduler:
         while self.waiting and budget > 0 and self.waiting[0][1].priority < priority:
             seq = self.waiting[0][1]
             hits = bm.match_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * bm.block_size, budget)
-            if not bm.can_allocate(
-                bm.blocks_needed(len(hits) * bm.block_size + n) - len(hits), hits
-            ):
+            computed = len(hits) * bm.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if not bm.can_allocate(bm.blocks_needed(computed + n) - len(hits), hits):
                 break
             budget -= self._admit(seq, hits, n, out)
         return out

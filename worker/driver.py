@@ -3,9 +3,8 @@
 Redis work happens on other threads (worker/loop.py). They talk to the engine through
 this driver only: requests and aborts go in as commands, applied between two steps
 (requests also between two layers of a step: `take_in`); each step's outputs come out on
-a queue. So the next step starts as soon as the engine's own
-bookkeeping is done, whatever Redis is doing, and the engine is never touched by two
-threads at once.
+a queue. So the next step starts as soon as the engine's own bookkeeping is done,
+whatever Redis is doing, and the engine is never touched by two threads at once.
 """
 
 from __future__ import annotations
@@ -167,19 +166,17 @@ class EngineDriver(EngineView):
         engine's step ahead for those that outrank the step in flight (their first token
         then waits for no more than a layer of it). Aborts wait for the pass to end, since
         the pass writes its requests' blocks. True if a step ahead ran."""
-        if self._commands.empty():
-            return False
         added = False
         while not self._commands.empty():
             command = self._commands.get_nowait()
             if isinstance(command, Abort):
                 self._held.append(command)
             else:
-                for add in command:
-                    self._applied += 1
-                    self._start(add)
+                self._add(command)
                 added = True
-        outputs = self.engine.step_ahead() if added else []
+        if not added:
+            return False
+        outputs = self.engine.step_ahead()
         if outputs:
             self.outputs.put(outputs)
         self._snapshot()
@@ -205,11 +202,14 @@ class EngineDriver(EngineView):
             if isinstance(command, Abort):
                 self._abort(command)
             else:
-                for add in command:
-                    self._applied += 1
-                    self._start(add)
+                self._add(command)
             wait = 0.0  # once something came, take only what is already there
             deadline = time.monotonic()
+
+    def _add(self, command: list[Add]) -> None:
+        for add in command:
+            self._applied += 1
+            self._start(add)
 
     def _abort(self, command: Abort) -> None:
         out = self.engine.abort(command.job_id)
