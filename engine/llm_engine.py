@@ -193,7 +193,8 @@ class LLMEngine:
         of several, each run alone too: then no request has advanced.
 
         ``between_layers`` is called between two layers of the pass; it may add requests
-        and run ``step_ahead`` (and nothing else of this engine's).
+        and run ``step_ahead`` (and nothing else of this engine's). Requests it added that
+        the step has room for then join the pass there (``Scheduler.schedule_join``).
         """
         outputs = self._expire_deadlines()
         sched = self.scheduler.schedule()
@@ -204,8 +205,9 @@ class LLMEngine:
         if not sched.scheduled:
             return outputs
         self._in_flight = sched.scheduled
+        join = None if sched.preempted else self._join
         try:
-            ran, culprits = self._run(sched.scheduled, outputs, between_layers)
+            ran, culprits = self._run(sched.scheduled, outputs, between_layers, join)
         finally:
             self._in_flight = []
         return outputs + self._deltas(ran, culprits)
@@ -231,6 +233,16 @@ class LLMEngine:
             ran, culprits = [], [(s.seq, exc) for s in sched.scheduled]
         return self._deltas(ran, culprits)
 
+    def _join(self) -> list[ScheduledSeq]:
+        """Between two layers of the step in flight: waiting requests that join it."""
+        if not self.scheduler.waiting:
+            return []
+        joining = self.scheduler.schedule_join(self._in_flight)
+        if joining:
+            self.counters["joins"] += 1
+            self.counters["requests_joined"] += len(joining)
+        return joining
+
     def _deltas(self, ran: Ran, culprits: Culprits) -> list[RequestDelta]:
         """A pass's outcome: the parts that ran, booked with their tokens, then the
         requests that failed alone."""
@@ -244,10 +256,12 @@ class LLMEngine:
         batch: list[ScheduledSeq],
         finished: list[RequestDelta],
         between_layers: Callable[[], object] | None = None,
+        join: Callable[[], list[ScheduledSeq]] | None = None,
     ) -> tuple[Ran, Culprits]:
         """The batch on the model runner (forward pass, sampling); if the forward pass
         raises, the request(s) it fails for, found by bisection (without
-        ``between_layers``: what it took in was taken, and may have raised).
+        ``between_layers``: what it took in was taken, and may have raised). Requests that
+        ``join`` the pass are appended to ``batch``, and so are bisected with the rest.
 
         Nothing has advanced: ``schedule()`` only allocated blocks and admitted or preempted
         requests, which stays valid for any part of the batch, and ``num_computed_tokens``
@@ -258,7 +272,7 @@ class LLMEngine:
         only. ``finished`` is what the step already finished, for ``StepFailed``.
         """
         try:
-            return [(batch, self.model_runner.run(batch, between_layers))], []
+            return [(batch, self.model_runner.run(batch, between_layers, join))], []
         except Exception as exc:
             first_error = exc
         ran: Ran = []

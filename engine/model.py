@@ -152,42 +152,119 @@ class LlamaModel:
         """Logits ``[len(logits_indices), vocab]`` for the chosen token positions.
 
         ``kv_cache`` is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``;
-        the new tokens' K/V are written into it before attention reads it. Each sublayer's
-        output is added to the residual stream by the next norm (``delta``), and Q and K are
-        rotated in place inside the QKV product, so that the fused ops do each in one pass.
+        the new tokens' K/V are written into it before attention reads it.
 
         ``between_layers`` is called after each layer but the last. It may run another
         forward pass (a step ahead: engine/llm_engine.py): this one's state is local, and
-        that pass writes only blocks this one does not read.
+        that pass writes only blocks this one does not read. If it returns a ``Join``, the
+        joining tokens go through the layers done so far on their own and the pass goes on
+        with them appended: requests that arrive while a long prefill has just begun share
+        its remaining layers instead of waiting for the next step.
         """
+        state = self._begin(positions, meta, kv_cache, F.embedding(input_ids, self.embed))
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            self._layer(i, layer, state, kv_cache)
+            if between_layers is not None and i < last:
+                join = between_layers()
+                if isinstance(join, Join):
+                    state = self._join(state, join, i + 1, kv_cache)
+                    logits_indices = join.merged.logits_indices
+        y = self.ops.add_rms_norm(state.x, state.delta, self.norm, self.cfg.rms_norm_eps, state.y)
+        return self.lm_head(y[logits_indices])
+
+    def _begin(
+        self,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        x: torch.Tensor,
+        delta: torch.Tensor | None = None,
+    ) -> _Pass:
+        """A pass's state before its next layer: the residual stream ``x`` (the tokens'
+        embeddings, or what layers already run made of it) and the last sublayer's output
+        ``delta``, not yet added to it (the next norm adds it, in the same pass over x)."""
         self.backend.prepare(meta, kv_cache.shape[3])
+        n, cfg = x.shape[0], self.cfg
+        return _Pass(
+            positions=positions,
+            meta=meta,
+            x=x,
+            delta=delta,
+            y=torch.empty_like(x),
+            act=torch.empty(n, cfg.intermediate_size, dtype=x.dtype, device=x.device),
+            attn_out=torch.empty(n, cfg.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device),
+        )
+
+    def _layer(self, i: int, layer: LayerWeights, state: _Pass, kv_cache: torch.Tensor) -> None:
+        """Layer ``i`` over the pass's tokens. Q and K are rotated in place inside the QKV
+        product, and the residual adds ride on the norms, so the fused ops do each in one
+        pass over the rows."""
         cfg, ops = self.cfg, self.ops
-        n = input_ids.shape[0]
+        n = state.x.shape[0]
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = h * d, kvh * d
         eps = cfg.rms_norm_eps
-        x = F.embedding(input_ids, self.embed)
-        y = torch.empty_like(x)
-        act = torch.empty(n, cfg.intermediate_size, dtype=x.dtype, device=x.device)
-        attn_out = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
-        delta = None  # the last sublayer's output, not yet added to x
-        for i, layer in enumerate(self.layers):
-            y = ops.add_rms_norm(x, delta, layer.input_norm, eps, y)
-            qkv = layer.qkv(y)
-            ops.rope(qkv, h + kvh, d, positions, self.cos, self.sin)
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            self.backend.write_kv(
-                qkv[:, q_size : q_size + kv_size].view(n, kvh, d),
-                qkv[:, q_size + kv_size :].view(n, kvh, d),
-                k_cache,
-                v_cache,
-                meta.slot_mapping,
-            )
-            q = qkv[:, :q_size].view(n, h, d)
-            self.backend.attention(q, k_cache, v_cache, meta, self.scale, attn_out)
-            y = ops.add_rms_norm(x, layer.o(attn_out.view(n, q_size)), layer.post_norm, eps, y)
-            delta = layer.down(ops.silu_mul(layer.gate_up(y), act))
-            if between_layers is not None and i + 1 < len(self.layers):
-                between_layers()
-        y = ops.add_rms_norm(x, delta, self.norm, eps, y)
-        return self.lm_head(y[logits_indices])
+        y = ops.add_rms_norm(state.x, state.delta, layer.input_norm, eps, state.y)
+        qkv = layer.qkv(y)
+        ops.rope(qkv, h + kvh, d, state.positions, self.cos, self.sin)
+        k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+        self.backend.write_kv(
+            qkv[:, q_size : q_size + kv_size].view(n, kvh, d),
+            qkv[:, q_size + kv_size :].view(n, kvh, d),
+            k_cache,
+            v_cache,
+            state.meta.slot_mapping,
+        )
+        q = qkv[:, :q_size].view(n, h, d)
+        self.backend.attention(q, k_cache, v_cache, state.meta, self.scale, state.attn_out)
+        y = ops.add_rms_norm(
+            state.x, layer.o(state.attn_out.view(n, q_size)), layer.post_norm, eps, y
+        )
+        state.delta = layer.down(ops.silu_mul(layer.gate_up(y), state.act))
+
+    def _join(self, state: _Pass, join: Join, done: int, kv_cache: torch.Tensor) -> _Pass:
+        """The joining tokens through the first ``done`` layers, then one state for both,
+        in ``join.merged``'s order: the pass's tokens, then the joining ones."""
+        new = join.inputs
+        other = self._begin(
+            new.positions, new.meta, kv_cache, F.embedding(new.input_ids, self.embed)
+        )
+        for i in range(done):
+            self._layer(i, self.layers[i], other, kv_cache)
+        merged = join.merged
+        x = torch.cat([state.x, other.x])
+        delta = torch.cat([state.delta, other.delta])
+        return self._begin(merged.positions, merged.meta, kv_cache, x, delta)
+
+
+@dataclass
+class _Pass:
+    """A forward pass between two layers."""
+
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    x: torch.Tensor  # the residual stream
+    delta: torch.Tensor | None  # the last sublayer's output, not yet added to x
+    y: torch.Tensor  # scratch: the normed stream
+    act: torch.Tensor  # scratch: the MLP's activations
+    attn_out: torch.Tensor  # scratch
+
+
+@dataclass
+class ModelInputs:
+    """A batch as the model takes it (built by the model runner from scheduled requests)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+@dataclass
+class Join:
+    """Requests joining a pass between two layers (see ``LlamaModel.forward``): their own
+    inputs, and the pass's batch with them appended."""
+
+    inputs: ModelInputs
+    merged: ModelInputs

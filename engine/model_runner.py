@@ -14,7 +14,7 @@ import torch
 from tokenq.engine.attention import AttentionBackend, AttentionMetadata
 from tokenq.engine.checkpoint import Checkpoint
 from tokenq.engine.config import EngineConfig
-from tokenq.engine.model import LlamaModel
+from tokenq.engine.model import Join, LlamaModel, ModelInputs
 from tokenq.engine.sampler import SampleResult, sample
 from tokenq.engine.scheduler import ScheduledSeq
 from tokenq.engine.sequence import Sequence
@@ -65,18 +65,41 @@ class ModelRunner:
         self,
         scheduled: list[ScheduledSeq],
         between_layers: Callable[[], object] | None = None,
+        join: Callable[[], list[ScheduledSeq]] | None = None,
     ) -> list[SampleResult | Exception]:
         """The forward pass over the batch (raising if it fails), then a token for each
         request that reaches the end of its known tokens (``ScheduledSeq.samples``), in
         batch order; a request whose own sampling fails gets its exception instead.
-        ``between_layers``: see ``LlamaModel.forward``."""
-        logits = self._forward(scheduled, between_layers)
+
+        ``between_layers``: see ``LlamaModel.forward``. After each call, ``join`` gives the
+        requests (if any) that join the pass there: they are appended to ``scheduled``, so
+        that the caller books them with the rest."""
+        inputs = self._inputs(scheduled)
+        hook = between_layers
+        if between_layers is not None and join is not None:
+
+            def hook() -> Join | None:
+                between_layers()
+                joining = join()
+                if not joining:
+                    return None
+                scheduled.extend(joining)
+                return Join(self._inputs(joining), self._inputs(scheduled))
+
+        logits = self.model.forward(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.meta,
+            self.kv_cache,
+            inputs.logits_indices,
+            hook,
+        )
+        logits = logits.to("cpu", torch.float32)
         return self._sample([s.seq for s in scheduled if s.samples], logits)
 
-    def _forward(
-        self, scheduled: list[ScheduledSeq], between_layers: Callable[[], object] | None
-    ) -> torch.Tensor:
-        """Float32 CPU logits, one row per request that samples."""
+    def _inputs(self, scheduled: list[ScheduledSeq]) -> ModelInputs:
+        """The batch's tokens as one flat row, with what attention needs to find each
+        request's tokens and blocks; logits only where a request samples."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -111,15 +134,9 @@ class ModelRunner:
             max_query_len=max(s.num_tokens for s in scheduled),
             max_seq_len=max(seq_lens),
         )
-        logits = self.model.forward(
-            t(input_ids, torch.long),
-            t(positions, torch.long),
-            meta,
-            self.kv_cache,
-            t(logits_indices, torch.long),
-            between_layers,
+        return ModelInputs(
+            t(input_ids, torch.long), t(positions, torch.long), meta, t(logits_indices, torch.long)
         )
-        return logits.to("cpu", torch.float32)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampleResult | Exception]:
         """One token per request, batched; if that raises, row by row, so that a row that

@@ -36,6 +36,13 @@ seats are given back as requests end (nothing is admitted while the engine is ov
 but by priority preemption), not by preempting a lower-priority request at once, which
 would throw its work away for a seat a few steps would free anyway.
 
+A join (``schedule_join``) admits requests into the step in flight, between two of its
+layers, as far as its budget, seats and free blocks go: a request that arrives just after
+a long prefill began (requests sent over HTTP one after another reach the queue tens of
+milliseconds apart) goes through the layers done so far on its own and then shares the
+rest of the pass, instead of waiting seconds for the next step. Not in a step that
+preempted: a request preempted in a step is never admitted again in it.
+
 The token budget is no cause for preemption: running requests are served first, so a
 higher-priority request may wait while lower-priority prefills already running take the
 whole budget. That wait is bounded: those prefills end, and new ones are admitted after it.
@@ -238,6 +245,23 @@ class Scheduler:
                 break
             budget -= self._admit(seq, hits, n, out)
         return out
+
+    def schedule_join(self, in_flight: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Waiting requests that join the step in flight between two layers, in order, as
+        far as its token budget, the sequence cap and free blocks go, with no preemption:
+        what ``schedule`` would have admitted had they come before the step began."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens - sum(s.num_tokens for s in in_flight)
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0][1]
+            hits = bm.match_prefix(seq)
+            computed = len(hits) * bm.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if not bm.can_allocate(bm.blocks_needed(computed + n) - len(hits), hits):
+                break
+            budget -= self._admit(seq, hits, n, out)
+        return out.scheduled
 
     def _admit(self, seq: Sequence, hits: list[int], n: int, out: SchedulerOutput) -> int:
         """Start the first waiting request on its cached prefix ``hits`` and a first chunk

@@ -652,3 +652,49 @@ def test_an_interactive_request_added_during_a_batch_step_has_its_first_token_be
     assert timeline.tokens["hi"] == alone and timeline.finished[0] == "hi"
     assert {r: timeline.tokens[r] for r in unpreempted} == unpreempted
     assert engine.counters["preemptions"] == 0
+
+
+def test_requests_added_early_in_a_step_join_its_pass_with_the_same_tokens(tiny_dir: Path):
+    """Added between two layers of a prefill step with room left, they go through the
+    layers done so far alone and share the rest of the pass: their first tokens come out
+    of that step, and every request's tokens equal a run where all came at once."""
+    reqs = prompts(5)
+    together = run(make_engine(tiny_dir), reqs, GREEDY)
+    engine = make_engine(tiny_dir, max_num_seqs=4, max_num_batched_tokens=96)
+    engine.add_request("r0", prompt_token_ids=reqs[0], params=GREEDY)  # 5 tokens
+    layers: list[int] = []
+
+    def between_layers() -> None:
+        layers.append(len(layers))
+        if len(layers) == 1:  # 5 + 17 + 33 + 2 tokens fit the budget; a fifth seat does not
+            for i in range(1, 5):
+                engine.add_request(f"r{i}", prompt_token_ids=reqs[i], params=GREEDY)
+
+    first = engine.step(between_layers)
+    assert len(layers) == engine.model_config.num_layers - 1
+    assert sorted(o.request_id for o in first) == ["r0", "r1", "r2", "r3"]
+    assert all(len(o.new_token_ids) == 1 for o in first)
+    assert engine.counters["joins"] == 1 and engine.counters["requests_joined"] == 3
+    assert engine.scheduler.num_waiting == 1  # r4: no seat
+    tokens = {o.request_id: list(o.new_token_ids) for o in first}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert {f"r{i}": tokens[f"r{i}"] for i in range(5)} == together
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_no_request_joins_a_step_beyond_its_token_budget(tiny_dir: Path):
+    reqs = prompts(3, (40, 40, 30))
+    engine = make_engine(tiny_dir, max_num_batched_tokens=64)
+    engine.add_request("r0", prompt_token_ids=reqs[0], params=GREEDY)
+
+    def between_layers() -> None:
+        if "r1" not in engine.requests:
+            engine.add_request("r1", prompt_token_ids=reqs[1], params=GREEDY)
+
+    engine.step(between_layers)
+    r1 = engine.requests["r1"]
+    # 24 tokens of budget were left: r1 joined with a first chunk of them, no token yet.
+    assert r1.num_computed_tokens == 24 and r1.num_output_tokens == 0
+    assert engine.counters["requests_joined"] == 1

@@ -326,3 +326,45 @@ def test_an_interactive_jobs_first_token_is_published_before_the_batch_step_in_f
         assert reply.done.token_ids == final.token_ids
     assert worker.driver.stats.counters["steps_ahead"] >= 1
     client.close()
+
+
+@pytest.mark.parametrize("side", ["threads", "process"])
+def test_a_job_that_comes_while_a_prefill_step_runs_joins_that_step(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    side: str,
+) -> None:
+    """A job's first step is held between two layers until a second job of the same lane
+    has reached the engine; that job then joins the step in flight instead of waiting for
+    the next one (as requests sent over HTTP one after another do). Both jobs' tokens
+    stay those of the engine alone."""
+    client = Client(redis_url, namespace=redis_namespace, model="tiny", require_worker=False)
+    params = {"max_tokens": 8, **GREEDY}
+    engine = make_engine(tiny_model)
+    config = fast_config(redis_namespace, served_names=("tiny",))
+    worker = make_worker(engine, redis_url, config, side=side)
+    take_in = worker.driver.between_layers
+    holding = threading.Event()
+
+    def between_layers() -> bool:
+        if holding.is_set():
+            return take_in()
+        holding.set()
+        deadline = time.monotonic() + 30
+        while len(engine.requests) < 2 and time.monotonic() < deadline:
+            take_in()
+            time.sleep(0.001)
+        return False
+
+    worker.driver.between_layers = between_layers
+    with WorkerThread(worker):
+        first = client.submit("the first", **params)
+        assert holding.wait(30)
+        second = client.submit("the second", **params)
+        replies = [check_reply(list(j.stream(timeout=60))) for j in (first, second)]
+    assert worker.driver.stats.counters.get("requests_joined", 0) == 1
+    requests = [{"prompt": p, "params": params} for p in ("the first", "the second")]
+    for reply, (_, final) in zip(replies, reference_run(tiny_model, requests), strict=True):
+        assert reply.done.token_ids == final.token_ids
+    client.close()
