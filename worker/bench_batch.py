@@ -18,7 +18,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +31,7 @@ from tokenq.worker.bench_queue import (
     connect,
     delete_namespace,
     engine_from,
+    run_beside,
 )
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.logs import configure_logging
@@ -79,12 +79,7 @@ def run_batch(engine: Any, url: str, namespace: str, source: Path, workdir: Path
         outcome["status"], outcome["stderr"] = done.returncode, done.stderr
         worker.stop(grace=0)
 
-    waiter = threading.Thread(target=command, daemon=True)
-    waiter.start()
-    code = worker.run() or 0
-    waiter.join()
-    if code:
-        raise RuntimeError(f"the worker's queue process failed (exit code {code})")
+    run_beside(worker, command)
     if outcome["status"] != 0:
         raise RuntimeError(f"tokenq batch run failed: {outcome['stderr'][-2000:]}")
     tokens = 0

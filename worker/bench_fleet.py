@@ -23,7 +23,7 @@ from typing import Any
 
 from tokenq.producer.client import DEFAULT_REDIS_URL, Client, make_request
 from tokenq.producer.protocol import DoneEvent, ErrorEvent, TokenEvent
-from tokenq.worker.bench_queue import delete_namespace, percentile
+from tokenq.worker.bench_queue import delete_namespace, percentile, run_beside
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.logs import configure_logging
 
@@ -112,16 +112,11 @@ def run(engine: Any, url: str, work: Workload, mode: str) -> dict[str, Any]:
         outcome.update(results.get())
         worker.stop(grace=0)
 
-    waiter = threading.Thread(target=wait, daemon=True)
-    waiter.start()
     try:
-        code = worker.run() or 0
+        run_beside(worker, wait)
     finally:
-        waiter.join()
         proc.join()
         delete_namespace(conn, namespace)
-    if code:
-        raise RuntimeError(f"the worker's queue process failed (exit code {code})")
     if "error" in outcome:
         raise RuntimeError(outcome["error"])
     return outcome

@@ -153,12 +153,7 @@ def run_queue(
             outcome.update(results.get())
             worker.stop(grace=0)
 
-    waiter = threading.Thread(target=client_side, daemon=True)
-    waiter.start()
-    code = worker.run() or 0
-    waiter.join()
-    if code:
-        raise RuntimeError(f"the worker's queue process failed (exit code {code})")
+    run_beside(worker, client_side)
     if "error" in outcome:
         raise (
             RuntimeError(outcome["error"])
@@ -166,6 +161,18 @@ def run_queue(
             else outcome["error"]
         )
     return outcome["result"]
+
+
+def run_beside(worker: Any, side: Callable[[], None]) -> None:
+    """Run the worker on this thread (the engine's: torch is slower in another) while
+    `side`, on a thread of its own, drives the run and stops the worker when done. Raises
+    if the worker's queue process failed."""
+    waiter = threading.Thread(target=side, daemon=True)
+    waiter.start()
+    code = worker.run() or 0
+    waiter.join()
+    if code:
+        raise RuntimeError(f"the worker's queue process failed (exit code {code})")
 
 
 def _client(conn: Any, namespace: str) -> Client:
