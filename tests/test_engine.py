@@ -654,13 +654,18 @@ def test_an_interactive_request_added_during_a_batch_step_has_its_first_token_be
     assert engine.counters["preemptions"] == 0
 
 
-def test_requests_added_early_in_a_step_join_its_pass_with_the_same_tokens(tiny_dir: Path):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_requests_added_early_in_a_step_join_its_pass_with_the_same_tokens(
+    tiny_dir: Path, backend: str
+):
     """Added between two layers of a prefill step with room left, they go through the
     layers done so far alone and share the rest of the pass: their first tokens come out
     of that step, and every request's tokens equal a run where all came at once."""
     reqs = prompts(5)
-    together = run(make_engine(tiny_dir), reqs, GREEDY)
-    engine = make_engine(tiny_dir, max_num_seqs=4, max_num_batched_tokens=96)
+    together = run(make_engine(tiny_dir, attention_backend=backend), reqs, GREEDY)
+    engine = make_engine(
+        tiny_dir, max_num_seqs=4, max_num_batched_tokens=96, attention_backend=backend
+    )
     engine.add_request("r0", prompt_token_ids=reqs[0], params=GREEDY)  # 5 tokens
     layers: list[int] = []
 
