@@ -60,6 +60,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -235,15 +236,7 @@ class Scheduler:
         budget go, with no preemption and no sequence cap (see the module's docstring)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        bm = self.block_manager
-        while self.waiting and budget > 0 and self.waiting[0][1].priority < priority:
-            seq = self.waiting[0][1]
-            hits = bm.match_prefix(seq)
-            computed = len(hits) * bm.block_size
-            n = min(seq.num_tokens - computed, budget)
-            if not bm.can_allocate(bm.blocks_needed(computed + n) - len(hits), hits):
-                break
-            budget -= self._admit(seq, hits, n, out)
+        self._admit_free(out, budget, lambda: self.waiting[0][1].priority < priority)
         return out
 
     def schedule_join(self, in_flight: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -252,8 +245,14 @@ class Scheduler:
         what ``schedule`` would have admitted had they come before the step began."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens - sum(s.num_tokens for s in in_flight)
+        self._admit_free(out, budget, lambda: len(self.running) < self.max_num_seqs)
+        return out.scheduled
+
+    def _admit_free(self, out: SchedulerOutput, budget: int, more: Callable[[], bool]) -> None:
+        """Admit waiting requests in order while ``more()`` and the token budget allow and
+        their blocks are free, preempting nothing."""
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and more():
             seq = self.waiting[0][1]
             hits = bm.match_prefix(seq)
             computed = len(hits) * bm.block_size
@@ -261,7 +260,6 @@ class Scheduler:
             if not bm.can_allocate(bm.blocks_needed(computed + n) - len(hits), hits):
                 break
             budget -= self._admit(seq, hits, n, out)
-        return out.scheduled
 
     def _admit(self, seq: Sequence, hits: list[int], n: int, out: SchedulerOutput) -> int:
         """Start the first waiting request on its cached prefix ``hits`` and a first chunk
