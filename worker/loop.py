@@ -396,6 +396,7 @@ class Worker:
         with self._lock:
             running = {inf.delivery.entry_id for inf in self.in_flight.values()}
         candidates: list[tuple[Taken, JobRequest]] = []
+        starting: set[str | None] = set()  # the candidates' job ids
         rejected: list[tuple[Taken, Rejection]] = []
         c = self.config
         for delivery in taken:
@@ -407,7 +408,7 @@ class Worker:
             parsed = parse_entry(delivery.fields, delivery.count, c.max_deliveries, c.limits)
             if isinstance(parsed, JobRequest):
                 jid = parsed.job_id
-                if jid in self.in_flight or any(jid == job.job_id for _, job in candidates):
+                if jid in self.in_flight or jid in starting:
                     self._settle(self._item("settle", delivery, jid))  # a second entry
                     self._job_log(jid).info("second entry for a running job acknowledged")
                     continue
@@ -416,6 +417,7 @@ class Worker:
                 rejected.append((delivery, parsed))
             else:
                 candidates.append((delivery, parsed))
+                starting.add(parsed.job_id)
         if candidates:
             self._start(candidates)
         for delivery, rejection in rejected:
