@@ -8,6 +8,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -93,6 +94,35 @@ def test_jobs_stream_tokens_and_match_the_engine(
         "updated_at",
     ):
         assert name in metrics
+    client.close()
+
+
+def test_a_running_jobs_reply_ttl_is_renewed_while_its_tokens_stream(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    """The job key says running from the first token on, and the reply stream's running
+    TTL is renewed as tokens keep coming (a quarter of it after the last renewal), not
+    set once and left to run out."""
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    engine = make_engine(tiny_model)
+    step = engine.step
+
+    def slow_step(between_layers: Any = None) -> Any:
+        time.sleep(0.05)
+        return step(between_layers)
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    job = client.submit("a long story", max_tokens=60, **GREEDY)
+    worker = Worker(engine, client.redis, fast_config(redis_namespace, running_reply_ttl_s=8))
+    with WorkerThread(worker):
+        wait_for(lambda: job.status() == "running", timeout=30)
+        time.sleep(2.5)  # past the renewal due 2 s after the first token
+        assert job.status() == "running"
+        assert client.redis.pttl(client.keys.reply(job.id)) > 6500  # else at most 5.5 s left
+        result = job.result(timeout=60)
+    assert result.usage.completion_tokens == 60
     client.close()
 
 

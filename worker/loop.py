@@ -92,6 +92,10 @@ class InFlight:
     outbox: list[Event] = field(default_factory=list)  # events not yet published
     sent: int = 0  # how many of them a publish call has carried (answer pending or lost)
     status: str = ""  # the job key's next value, sent with the outbox
+    # Until when the job key says running and the reply stream's running TTL is fresh:
+    # `running` goes out with the first events, then only to renew that TTL, sparing the
+    # publish script two calls a job on every other publish.
+    running_until: float = 0.0
     dead: dict[str, Any] | None = None  # a dead letter, sent with a final error
     output: RequestDelta | None = None  # the engine's final output, once finished
 
@@ -645,7 +649,7 @@ class Worker:
             for event in events:
                 _append(inf.outbox, event, inf.sent)
             if not out.finished:
-                if not inf.status and inf.outbox:
+                if not inf.status and inf.outbox and time.monotonic() >= inf.running_until:
                     inf.status = RUNNING
                     self._urgent |= inf.next_seq == 1  # a first token goes out at once
                 return
@@ -713,6 +717,7 @@ class Worker:
             for inf, outbox, status in jobs
         ]
         c = self.config
+        sent_at = time.monotonic()  # the TTLs the script sets count from about here
         results = self.scripts.publish(
             self.fence, items + settling, c.running_reply_ttl_s, c.reply_ttl_s, c.dead_letter_maxlen
         )
@@ -734,6 +739,8 @@ class Worker:
                     del self.in_flight[jid]
                     finished.append(inf)
                     continue
+                if status == RUNNING:
+                    inf.running_until = sent_at + c.running_reply_ttl_s / 4
                 if inf.status == status:
                     inf.status = ""
                 if cancelled and inf.output is None:
