@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from tests.test_worker_support import (
     make_engine,
     reference_run,
     single_torch_thread,  # noqa: F401
+    slow_steps,
     tiny_model,  # noqa: F401
     wait_for,
 )
@@ -80,13 +80,7 @@ class Stack:
         longer, so that a job outlasts what a test does meanwhile on any machine."""
         engine = make_engine(model, **options)
         if step_delay:
-            step = engine.step
-
-            def slow_step(between_layers: Any = None) -> Any:
-                time.sleep(step_delay)
-                return step(between_layers)
-
-            engine.step = slow_step  # type: ignore[method-assign]
+            slow_steps(engine, step_delay)
         return WorkerThread(Worker(engine, conn, fast_config(self.namespace, consumer="w1")))
 
 

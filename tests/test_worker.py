@@ -8,7 +8,6 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -27,6 +26,7 @@ from tests.test_worker_support import (
     queued,
     reference_run,
     single_torch_thread,  # noqa: F401
+    slow_steps,
     tiny_model,  # noqa: F401
     wait_for,
 )
@@ -107,13 +107,7 @@ def test_a_running_jobs_reply_ttl_is_renewed_while_its_tokens_stream(
     set once and left to run out."""
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     engine = make_engine(tiny_model)
-    step = engine.step
-
-    def slow_step(between_layers: Any = None) -> Any:
-        time.sleep(0.05)
-        return step(between_layers)
-
-    engine.step = slow_step  # type: ignore[method-assign]
+    slow_steps(engine, 0.05)
     job = client.submit("a long story", max_tokens=60, **GREEDY)
     worker = Worker(engine, client.redis, fast_config(redis_namespace, running_reply_ttl_s=8))
     with WorkerThread(worker):

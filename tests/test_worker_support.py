@@ -59,6 +59,18 @@ def make_engine(model: Path | str, **overrides: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), **{**options, **overrides}))
 
 
+def slow_steps(engine: LLMEngine, delay: float) -> None:
+    """Every step of the engine takes `delay` seconds longer, so that a job outlasts what a
+    test does meanwhile on any machine."""
+    step = engine.step
+
+    def slow_step(between_layers: Any = None) -> Any:
+        time.sleep(delay)
+        return step(between_layers)
+
+    engine.step = slow_step  # type: ignore[method-assign]
+
+
 def default_queue(keys: Keys) -> str:
     """The test model's default-lane queue of jobs that name no tenant."""
     return keys.queue(TEST_MODEL, 0, NO_TENANT)
