@@ -78,14 +78,13 @@ class Prompts:
                 raise InvalidRequest("invalid_input", "prompt_token_ids must be a list")
             if len(prompt_token_ids) >= self.max_model_len:  # before a pass over a huge list
                 raise self._too_long(f"{len(prompt_token_ids)} tokens")
-            if not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                for t in prompt_token_ids
-            ):
+            ids = list(prompt_token_ids)
+            # At C speed, types then bounds: a per-id Python check of a long prompt cost
+            # more than all the rest of adding it.
+            if ids and not (set(map(type, ids)) <= {int} and 0 <= min(ids) and max(ids) < vocab):
                 raise InvalidRequest(
                     "invalid_input", f"prompt_token_ids must be a list of ids in [0, {vocab})"
                 )
-            ids = list(prompt_token_ids)
         if not ids:
             raise InvalidRequest("empty_prompt", "the prompt has no tokens")
         if len(ids) >= self.max_model_len:

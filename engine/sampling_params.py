@@ -110,9 +110,8 @@ class SamplingParams:
             raise _bad("ignore_eos", "must be a boolean")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise _bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-        ):
+        ids = self.stop_token_ids
+        if not isinstance(ids, list) or not set(map(type, ids)) <= {int} or min(ids, default=0) < 0:
             raise _bad("stop_token_ids", "must be a list of non-negative token ids")
         if not isinstance(self.logit_bias, dict):
             raise _bad("logit_bias", "must be a mapping of token id to bias")
@@ -129,8 +128,7 @@ class SamplingParams:
         """Build from a wire dict, naming any unknown key instead of ignoring it."""
         if not isinstance(data, dict):
             raise InvalidRequest("invalid_params", "sampling parameters must be a mapping")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in data if k not in known)
+        unknown = sorted(str(k) for k in data if k not in _FIELDS)
         if unknown:
             names = clip(", ".join(unknown))
             raise InvalidRequest("invalid_params", f"unknown parameter(s): {names}")
@@ -141,6 +139,9 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _bias_token(key: Any) -> int:

@@ -44,6 +44,11 @@ def test_logit_bias_keys_must_be_integer_token_ids(key) -> None:
     assert refused(logit_bias={key: 1.0}).message.startswith("logit_bias: key")
 
 
+@pytest.mark.parametrize("ids", [[-1], [1, True], [2.0], ["3"], [None], "5"])
+def test_stop_token_ids_must_be_a_list_of_non_negative_ints(ids) -> None:
+    assert refused(stop_token_ids=ids).message.startswith("stop_token_ids:")
+
+
 def test_logit_bias_keys_may_be_ints_or_the_decimal_strings_json_sends() -> None:
     assert SamplingParams(logit_bias={"12": 1, 7: -2.5}).logit_bias == {12: 1.0, 7: -2.5}
 
