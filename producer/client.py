@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -160,24 +161,34 @@ def make_request(
 
 
 def _prepare(requests: Iterable[JobRequest], limits: Limits) -> list[JobRequest]:
-    """Give each job its id and submit time and fail fast on what a worker would reject
-    anyway, before anything reaches Redis."""
+    """Copies of the jobs (the caller's stay as they were) with their ids and submit time,
+    failing fast on what a worker would reject anyway, before anything reaches Redis."""
     now = time.time()
     out = []
     for req in requests:
-        req = dataclasses.replace(
-            req, job_id=req.job_id or new_job_id(), submitted_at=req.submitted_at or now
-        )
+        req = copy.copy(req)
+        req.job_id = req.job_id or new_job_id()
+        req.submitted_at = req.submitted_at or now
         req.validate(limits)
-        size = len(pack(req.payload()))
-        if size > limits.max_payload_bytes:
-            raise ProtocolError(
-                "payload_too_large",
-                f"the job is {size} bytes packed (limit {limits.max_payload_bytes})",
-                req.job_id,
-            )
         out.append(req)
     return out
+
+
+def _payloads(reqs: list[JobRequest], models: list[str], limits: Limits) -> list[bytes]:
+    """Each job, routed to its model, as its entry's msgpack payload (packed once, here,
+    where its size is checked)."""
+    payloads = []
+    for req, model in zip(reqs, models, strict=True):
+        req.model = model
+        payload = pack(req.payload())
+        if len(payload) > limits.max_payload_bytes:
+            raise ProtocolError(
+                "payload_too_large",
+                f"the job is {len(payload)} bytes packed (limit {limits.max_payload_bytes})",
+                req.job_id,
+            )
+        payloads.append(payload)
+    return payloads
 
 
 # Queue jobs, atomically: all of them, or none when a lane is full. An id already taken
@@ -276,7 +287,8 @@ class _Routing:
     def update(self, models: list[ModelInfo]) -> None:
         self.models, self.read_at = models, time.monotonic()
 
-    def resolve(self, reqs: list[JobRequest], queue_anyway: bool) -> list[JobRequest]:
+    def resolve(self, reqs: list[JobRequest], queue_anyway: bool) -> list[str]:
+        """The model each job goes to; UnknownModel if one has none a worker serves."""
         queue_anyway = queue_anyway or not self.config.require_worker
         served = {n for m in self.models for n in (m.id, *m.aliases)}
         out = []
@@ -288,7 +300,7 @@ class _Routing:
                 model = self.models[0].id
             if model not in served and not queue_anyway:
                 raise UnknownModel(model, sorted(served))
-            out.append(dataclasses.replace(req, model=model))
+            out.append(model)
         return out
 
     def needs_registry(self, reqs: list[JobRequest], queue_anyway: bool) -> bool:
@@ -306,11 +318,12 @@ class _Routing:
         return False
 
 
-def _submit_args(config: ClientConfig, reqs: list[JobRequest]) -> list[Any]:
+def _submit_args(config: ClientConfig, reqs: list[JobRequest], models: list[str]) -> list[Any]:
+    """SUBMIT's arguments for the prepared jobs, each routed to its model."""
     args: list[Any] = [config.namespace, config.job_ttl, *(config.lane_cap(x) for x in LANES)]
-    for r in reqs:
+    for r, payload in zip(reqs, _payloads(reqs, models, config.limits), strict=True):
         args += [r.job_id, r.model, r.priority, r.tenant or NO_TENANT, r.lane]
-        args += [PROTOCOL_VERSION, pack(r.payload())]
+        args += [PROTOCOL_VERSION, payload]
     return args
 
 
@@ -818,8 +831,7 @@ class Client:
             return []
         if self._routing.needs_registry(reqs, queue_anyway):
             self.models()
-        reqs = self._routing.resolve(reqs, queue_anyway)
-        args = _submit_args(self.config, reqs)
+        args = _submit_args(self.config, reqs, self._routing.resolve(reqs, queue_anyway))
         duplicate = _submitted(self._retrying(lambda: self._submit(args=args)))
         return [Job(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]
 
@@ -946,8 +958,7 @@ class AsyncClient:
             return []
         if self._routing.needs_registry(reqs, queue_anyway):
             await self.models()
-        reqs = self._routing.resolve(reqs, queue_anyway)
-        args = _submit_args(self.config, reqs)
+        args = _submit_args(self.config, reqs, self._routing.resolve(reqs, queue_anyway))
         duplicate = _submitted(await self._retrying(lambda: self._submit(args=args)))
         return [AsyncJob(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]
 
