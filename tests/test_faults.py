@@ -45,6 +45,7 @@ from tokenq.producer.protocol import (
     pack,
     unpack,
 )
+from tokenq.worker import loop
 from tokenq.worker.loop import Worker
 from tokenq.worker.split import EngineHost
 
@@ -376,22 +377,27 @@ def test_a_bad_entry_naming_a_good_job_taken_with_it_leaves_that_job_alone(
     client.close()
 
 
+@pytest.mark.parametrize("start_chunk", [1, loop.START_CHUNK])
 def test_a_second_good_entry_for_a_job_taken_with_it_runs_the_job_once(
     tiny_model: Path,  # noqa: F811
     redis_url: str,
     redis_namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+    start_chunk: int,
 ) -> None:
-    """Two well-formed entries with one job id in one take: the first starts the job, the
-    second is acknowledged without a run, an error or a dead letter."""
+    """Two well-formed entries with one job id in one take, among others: the first starts
+    the job, the second is acknowledged without a run, an error or a dead letter; also
+    when the take's jobs are started a few at a time (each few its own START)."""
+    monkeypatch.setattr(loop, "START_CHUNK", start_chunk)
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
-    good = Run.submit(client, 1, 6)
+    good = Run.submit(client, 3, 6)
     job = good.jobs[0].id
     payload = {"prompt": good.requests[0]["prompt"], "params": good.requests[0]["params"]}
     add_raw(conn, keys, wire({"data": pack(payload)}, job))
     worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
     with WorkerThread(worker):
-        wait_for(lambda: good.jobs[0].status() == "done", timeout=30)
+        wait_for(lambda: all(j.status() == "done" for j in good.jobs), timeout=30)
         wait_for(lambda: queued(conn, keys) == 0 and pending(conn, keys) == [], timeout=30)
     good.check(tiny_model)
     assert dead_letters(conn, keys) == []

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -118,6 +120,31 @@ def test_a_running_jobs_reply_ttl_is_renewed_while_its_tokens_stream(
         result = job.result(timeout=60)
     assert result.usage.completion_tokens == 60
     client.close()
+
+
+def test_a_serving_worker_leaves_its_startup_heap_out_of_collections(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    """While a worker serves, what existed when it started (the engine, the imports) is
+    frozen out of the collector's walks; when it stops, all of it is collected again."""
+    engine = make_engine(tiny_model)
+    worker = Worker(engine, redis.Redis.from_url(redis_url), fast_config(redis_namespace))
+    assert gc.get_freeze_count() == 0
+    with WorkerThread(worker):
+        wait_for(lambda: gc.get_freeze_count() > 0, timeout=10)
+        cycle = _Node()
+        cycle.next = cycle  # garbage made while serving is still collected
+        gone = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert gone() is None
+    assert gc.get_freeze_count() == 0
+
+
+class _Node:
+    next: _Node
 
 
 def test_bad_input_of_every_kind_never_stops_the_worker(

@@ -55,6 +55,7 @@ from tokenq.producer.protocol import (
 )
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.driver import Add, EngineDriver, Failed, Refused
+from tokenq.worker.heap import frozen_heap
 from tokenq.worker.intake import (
     Rejection,
     check_model,
@@ -78,6 +79,10 @@ WAKE = "wake"  # put on the engine's output queue: the publisher has settlements
 # While no job in flight has new events, how often the publisher still asks Redis whether
 # one was cancelled or taken over (a job with tokens coming asks with every publish).
 QUIET_PUBLISH_S = 0.25
+# Jobs of one delivery are started (claimed, tokenized, handed to the engine) this many at
+# a time: the engine's first step starts with the first of them while the rest are made
+# ready, and they join it between two layers, instead of all waiting for the slowest.
+START_CHUNK = 16
 
 
 @dataclass
@@ -96,6 +101,7 @@ class InFlight:
     # `running` goes out with the first events, then only to renew that TTL, sparing the
     # publish script two calls a job on every other publish.
     running_until: float = 0.0
+    started: float = field(default_factory=time.monotonic)  # START asked if it was cancelled
     dead: dict[str, Any] | None = None  # a dead letter, sent with a final error
     output: RequestDelta | None = None  # the engine's final output, once finished
 
@@ -244,21 +250,22 @@ class Worker:
             threading.Thread(target=self._serve, args=(self._intake_pass,), name="tokenq-intake"),
             threading.Thread(target=self._serve, args=(self._publish_pass,), name="tokenq-publish"),
         ]
-        for thread in threads:
-            thread.start()
-        try:
-            while not self._drained():
-                self.driver.pump(wait=0.05)
-                if self._crash is not None:
-                    raise self._crash
-        finally:
-            self._halt.set()
-            self.driver.outputs.put(WAKE)
+        with frozen_heap():
             for thread in threads:
-                thread.join()
-            self._shutdown()
-            self.metrics.close()
-            self.log.info("worker stopped")
+                thread.start()
+            try:
+                while not self._drained():
+                    self.driver.pump(wait=0.05)
+                    if self._crash is not None:
+                        raise self._crash
+            finally:
+                self._halt.set()
+                self.driver.outputs.put(WAKE)
+                for thread in threads:
+                    thread.join()
+                self._shutdown()
+                self.metrics.close()
+                self.log.info("worker stopped")
 
     def _serve(self, one_pass: Callable[[float], None]) -> None:
         """A Redis thread's loop. A bug must not leave the engine serving without it."""
@@ -422,8 +429,8 @@ class Worker:
             else:
                 candidates.append((delivery, parsed))
                 starting.add(parsed.job_id)
-        if candidates:
-            self._start(candidates)
+        for i in range(0, len(candidates), START_CHUNK):
+            self._start(candidates[i : i + START_CHUNK])
         for delivery, rejection in rejected:
             self._reject(delivery, rejection)
 
@@ -484,8 +491,11 @@ class Worker:
         jid = job.job_id
         assert jid is not None
         try:
-            with structlog.contextvars.bound_contextvars(job_id=jid):
-                ids = self.prompts.encode(job.prompt, job.prompt_token_ids, job.messages)
+            if job.prompt_token_ids is not None:
+                ids = self.prompts.encode(prompt_token_ids=job.prompt_token_ids)
+            else:  # the tokenizer's own logs (a chat template's warning) name the job
+                with structlog.contextvars.bound_contextvars(job_id=jid):
+                    ids = self.prompts.encode(job.prompt, messages=job.messages)
         except Exception as exc:  # InvalidRequest: the prompt is bad; else: a bug, isolated
             code = getattr(exc, "code", "internal_error")
             message = getattr(exc, "message", f"{type(exc).__name__}: {exc}")
@@ -586,13 +596,13 @@ class Worker:
         now = time.monotonic()
         due = min(self._next_metrics, self._next_register)
         if self.in_flight:
-            due = min(due, self._next_heartbeat, self._last_publish + self._publish_interval())
+            due = min(due, self._next_heartbeat, self._publish_due())
         self._collect_outputs(max(0.0, min(wait, due - now)))
         if not self._publish_backoff.ready():
             time.sleep(min(wait, max(0.0, self._publish_backoff.until - time.monotonic())))
             return
         now = time.monotonic()
-        on_time = now - self._last_publish >= self._publish_interval()
+        on_time = now >= self._publish_due()
         if self._settling or (self.in_flight and (self._urgent or on_time)):
             self._urgent = False
             self._last_publish = now
@@ -609,13 +619,20 @@ class Worker:
             self._redis(self.register, self._publish_backoff)
         self.driver.paused = self._outbox_size() >= self.config.max_outbox_events
 
-    def _publish_interval(self) -> float:
-        """How long after the last publish the next one is due: the stream interval when
-        events wait; else (the jobs in flight are between tokens: a slow step, or waiting
-        for the engine) a longer one, which only asks after cancellations and ownership.
+    def _publish_due(self) -> float:
+        """When the next publish is due: a stream interval after the last one when events
+        wait; else (the jobs in flight are between tokens: a slow step, or waiting for the
+        engine) a longer one, which only asks after cancellations and ownership, counted
+        from when each job was last asked that: the last publish, or its START if later
+        (a publish right after START would ask again while the job's first step runs).
         Each call wakes this thread and Redis, and on a host whose cores the engine's
         threads fill, every wake-up delays a step."""
-        return self.config.stream_interval_s if self._fresh else QUIET_PUBLISH_S
+        last = self._last_publish
+        if self._fresh:
+            return last + self.config.stream_interval_s
+        with self._lock:
+            oldest = min((inf.started for inf in self.in_flight.values()), default=last)
+        return max(last, oldest) + QUIET_PUBLISH_S
 
     def _collect_outputs(self, wait: float) -> None:
         """Take every output the engine has queued, waiting up to `wait` for the first."""

@@ -42,6 +42,7 @@ from tokenq.engine.outputs import RequestDelta
 from tokenq.engine.sequence import RequestMetrics
 from tokenq.worker.config import REDIS_SIDES, WorkerConfig
 from tokenq.worker.driver import Abort, Add, EngineDriver, EngineView, Snapshot
+from tokenq.worker.heap import frozen_heap
 from tokenq.worker.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -144,26 +145,27 @@ class EngineHost:
         conn, driver = self._conn, self.driver
         sent_stops = 0
         last: Snapshot | None = None
-        try:
-            while True:
-                while sent_stops < len(self._stops):
-                    conn.send(Stop(self._stops[sent_stops]))
-                    sent_stops += 1
-                idle = driver.paused or not self.engine.has_unfinished()
-                if conn.poll(0.05 if idle else 0.0):
-                    self._receive(conn)
-                driver.pump()
-                outputs = _drain(driver)
-                if outputs or driver.state is not last:  # replaced whole on a change
-                    last = driver.state
-                    conn.send((outputs, last))
-        except (EOFError, OSError):
-            pass  # the queue process ended: it has published and handed back what it held
-        finally:
-            # Also when this process fails: the closed pipe ends the queue process, which
-            # hands its jobs back (else the two would wait on each other at exit).
-            conn.close()
-            self._process.join()
+        with frozen_heap():
+            try:
+                while True:
+                    while sent_stops < len(self._stops):
+                        conn.send(Stop(self._stops[sent_stops]))
+                        sent_stops += 1
+                    idle = driver.paused or not self.engine.has_unfinished()
+                    if conn.poll(0.05 if idle else 0.0):
+                        self._receive(conn)
+                    driver.pump()
+                    outputs = _drain(driver)
+                    if outputs or driver.state is not last:  # replaced whole on a change
+                        last = driver.state
+                        conn.send((outputs, last))
+            except (EOFError, OSError):
+                pass  # the queue process ended: it has published and handed back what it held
+            finally:
+                # Also when this process fails: the closed pipe ends the queue process, which
+                # hands its jobs back (else the two would wait on each other at exit).
+                conn.close()
+                self._process.join()
         code = self._process.exitcode or 0
         if code:
             # Negative: killed by that signal. Its jobs wait for a worker's XAUTOCLAIM.
