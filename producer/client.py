@@ -436,9 +436,11 @@ class _Sink(Protocol):
     def put_nowait(self, item: Any, /) -> None: ...
 
 
-# What a sink carries: a follower's next event, or the exception that ends it; None only
-# asks the waiting caller to look at the reader's state again (Redis became unreachable).
-_Item = tuple["_Follower", Event | Exception] | None
+# What a sink carries: what one read brought its followers, each entry a follower's next
+# event or the exception that ends it (one put for them all: the caller's thread wakes
+# once per read, not once per event); None only asks the waiting caller to look at the
+# reader's state again (Redis became unreachable).
+_Item = list[tuple["_Follower", Event | Exception]] | None
 
 
 @dataclass(eq=False)
@@ -449,6 +451,10 @@ class _Follower:
     position: StreamId  # the last entry handed to the caller's sink: read after it
     sink: _Sink  # shared by the jobs of one stream_many
     joined: float  # monotonic: an outage counts against this follower from here at most
+    after: bytes | str = ""  # `position` as XREAD takes it (the entry's own id, as read)
+
+    def __post_init__(self) -> None:
+        self.after = self.after or f"{self.position[0]}-{self.position[1]}"
 
 
 class _Multiplex:
@@ -496,9 +502,11 @@ class _Multiplex:
             return None
         keys = list(self.by_key)
         ids = []
-        for key in keys:
-            ms, seq = min(f.position for f in self.by_key[key])
-            ids.append(f"{ms}-{seq}")
+        for followers in self.by_key.values():
+            first = followers[0]  # most often the only one
+            if len(followers) > 1:
+                first = min(followers, key=lambda f: f.position)
+            ids.append(first.after)
         block = ["BLOCK", self.config.block_ms]
         return ["XREAD", "COUNT", READ_COUNT, *block, "STREAMS", *keys, *ids]
 
@@ -508,6 +516,7 @@ class _Multiplex:
         self.ok_at = time.monotonic()
         self.error = None
         self.failures = 0
+        batches: dict[int, tuple[_Sink, list[tuple[_Follower, Event | Exception]]]] = {}
         for key, entry_id, fields in _entries(reply):
             position = _parse_id(entry_id)
             item: Event | Exception
@@ -518,10 +527,14 @@ class _Multiplex:
             for follower in list(self.by_key.get(key, ())):
                 if position <= follower.position:
                     continue
-                follower.position = position
-                follower.sink.put_nowait((follower, item))
+                follower.position, follower.after = position, entry_id
+                batches.setdefault(id(follower.sink), (follower.sink, []))[1].append(
+                    (follower, item)
+                )
                 if isinstance(item, Exception) or item.type in TERMINAL_EVENTS:
                     self.remove([follower])
+        for sink, batch in batches.values():
+            sink.put_nowait(batch)
 
     def failed(self, error: Exception) -> float:
         """Record a failed read; returns the pause before the next. Redis unreachable:
@@ -544,7 +557,7 @@ class _Multiplex:
     def _end_all(self, error: Exception) -> None:
         for same_key in self.by_key.values():
             for follower in same_key:
-                follower.sink.put_nowait((follower, error))
+                follower.sink.put_nowait([(follower, error)])
         self.by_key.clear()
 
     def wait_limit(self, joined: float, deadline: float | None) -> float | None:
@@ -565,14 +578,13 @@ class _Multiplex:
         return min(limits, default=None)
 
 
-def _unwrap(item: _Item) -> tuple[_Follower, Event] | None:
-    """A sink item as (follower, event); raises the exception that ended a follower."""
-    if item is None:
-        return None
-    follower, payload = item
-    if isinstance(payload, Exception):
-        raise payload
-    return follower, payload
+def _unwrap(item: _Item) -> Iterator[tuple[str, Event]]:
+    """A sink item's events as (reply key, event), in order; raises the exception that
+    ended a follower where it comes."""
+    for follower, payload in item or ():
+        if isinstance(payload, Exception):
+            raise payload
+        yield follower.key, payload
 
 
 def _start(positions: dict[str, str], sink: _Sink) -> list[_Follower]:
@@ -613,15 +625,13 @@ class _ThreadReader:
                 with self.lock:
                     limit = self.mux.wait_limit(followers[0].joined, deadline)
                 try:
-                    got = _unwrap(sink.get(timeout=limit))
+                    item = sink.get(timeout=limit)
                 except queue.Empty:
                     continue
-                if got is None:
-                    continue
-                follower, event = got
-                yield follower.key, event
-                if event.type in TERMINAL_EVENTS:
-                    live -= 1
+                for key, event in _unwrap(item):
+                    yield key, event
+                    if event.type in TERMINAL_EVENTS:
+                        live -= 1
         finally:
             with self.lock:
                 self.mux.remove(followers)
@@ -689,13 +699,10 @@ class _TaskReader:
                         item = await sink.get()
                 except TimeoutError:
                     continue
-                got = _unwrap(item)
-                if got is None:
-                    continue
-                follower, event = got
-                yield follower.key, event
-                if event.type in TERMINAL_EVENTS:
-                    live -= 1
+                for key, event in _unwrap(item):
+                    yield key, event
+                    if event.type in TERMINAL_EVENTS:
+                        live -= 1
         finally:
             self.mux.remove(followers)
 
