@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -168,6 +168,10 @@ class LLMEngine:
         ``priority``, how many of that priority: running and waiting requests of strictly
         lower priority count as room, since admitting such a request preempts them."""
         return self.scheduler.free_capacity(priority)
+
+    def free_capacities(self, priorities: Iterable[int | None]) -> list[int]:
+        """``free_capacity`` of each priority, in one pass (``Scheduler.free_capacities``)."""
+        return self.scheduler.free_capacities(priorities)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

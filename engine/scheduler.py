@@ -60,7 +60,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -137,20 +137,39 @@ class Scheduler:
         requests of strictly lower priority count as room, since such a request would be
         admitted ahead of them, preempting them (so a worker full of batch jobs keeps
         taking interactive ones). Their blocks count whole, shared prefix blocks included."""
+        return self.free_capacities((priority,))[0]
 
-        def stays(seq: Sequence) -> bool:
-            return priority is None or seq.priority <= priority
-
-        running = [s for s in self.running if stays(s)]
-        waiting = [s for _, s in self.waiting if stays(s)]
-        reclaimable = sum(len(s.block_table) for s in self.running if not stays(s))
-        slots = self.max_num_seqs - len(running) - len(waiting)
+    def free_capacities(self, priorities: Iterable[int | None]) -> list[int]:
+        """``free_capacity`` of each priority, from one pass over the queues: the worker
+        asks for four after every step, and four passes over a few hundred requests took
+        a few percent of a fast step."""
+        # priority -> [running, their blocks, waiting, the blocks they will need]
+        by_priority: dict[int, list[int]] = {}
+        for seq in self.running:
+            row = by_priority.setdefault(seq.priority, [0, 0, 0, 0])
+            row[0] += 1
+            row[1] += len(seq.block_table)
         bm = self.block_manager
-        queued = sum(bm.blocks_needed(s.num_tokens + 1) for s in waiting)
-        running_growth = len(running)  # one block of headroom each
-        spare = bm.num_free_blocks + reclaimable - queued - running_growth
-        per_request = bm.blocks_needed(int(self._recent_request_tokens))
-        return max(0, min(slots, spare // max(1, per_request)))
+        for _, seq in self.waiting:
+            row = by_priority.setdefault(seq.priority, [0, 0, 0, 0])
+            row[2] += 1
+            row[3] += bm.blocks_needed(seq.num_tokens + 1)
+        per_request = max(1, bm.blocks_needed(int(self._recent_request_tokens)))
+        free = []
+        for priority in priorities:
+            running = waiting = queued = reclaimable = 0
+            for own, (n_running, blocks, n_waiting, needed) in by_priority.items():
+                if priority is None or own <= priority:
+                    running += n_running
+                    waiting += n_waiting
+                    queued += needed
+                else:
+                    reclaimable += blocks
+            slots = self.max_num_seqs - running - waiting
+            # one block of headroom for each request that stays running
+            spare = bm.num_free_blocks + reclaimable - queued - running
+            free.append(max(0, min(slots, spare // per_request)))
+        return free
 
     def remove(self, seq: Sequence) -> None:
         """Take a request out wherever it is (finish, abort) and free its blocks."""

@@ -74,12 +74,8 @@ class Snapshot:
 
     @classmethod
     def of(cls, engine: LLMEngine, applied: int) -> Snapshot:
-        lanes = (
-            engine.free_capacity(priority=-1),
-            engine.free_capacity(priority=0),
-            engine.free_capacity(priority=1),
-        )
-        return cls(engine.free_capacity(), lanes, engine.stats(), applied)
+        free, *lanes = engine.free_capacities((None, -1, 0, 1))
+        return cls(free, tuple(lanes), engine.stats(), applied)  # type: ignore[arg-type]
 
 
 class EngineView:
