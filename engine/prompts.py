@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenq.engine.errors import InvalidRequest, clip
+from tokenq.engine.sampling_params import are_token_ids
 from tokenq.engine.tokenizer import Tokenizer
 
 
@@ -79,9 +80,7 @@ class Prompts:
             if len(prompt_token_ids) >= self.max_model_len:  # before a pass over a huge list
                 raise self._too_long(f"{len(prompt_token_ids)} tokens")
             ids = list(prompt_token_ids)
-            # At C speed, types then bounds: a per-id Python check of a long prompt cost
-            # more than all the rest of adding it.
-            if ids and not (set(map(type, ids)) <= {int} and 0 <= min(ids) and max(ids) < vocab):
+            if not are_token_ids(ids, vocab):
                 raise InvalidRequest(
                     "invalid_input", f"prompt_token_ids must be a list of ids in [0, {vocab})"
                 )

@@ -174,21 +174,16 @@ def _prepare(requests: Iterable[JobRequest], limits: Limits) -> list[JobRequest]
     return out
 
 
-def _payloads(reqs: list[JobRequest], models: list[str], limits: Limits) -> list[bytes]:
-    """Each job, routed to its model, as its entry's msgpack payload (packed once, here,
-    where its size is checked)."""
-    payloads = []
-    for req, model in zip(reqs, models, strict=True):
-        req.model = model
-        payload = pack(req.payload())
-        if len(payload) > limits.max_payload_bytes:
-            raise ProtocolError(
-                "payload_too_large",
-                f"the job is {len(payload)} bytes packed (limit {limits.max_payload_bytes})",
-                req.job_id,
-            )
-        payloads.append(payload)
-    return payloads
+def _payload(req: JobRequest, limits: Limits) -> bytes:
+    """A routed job as its entry's msgpack payload, packed once, where its size is checked."""
+    payload = pack(req.payload())
+    if len(payload) > limits.max_payload_bytes:
+        raise ProtocolError(
+            "payload_too_large",
+            f"the job is {len(payload)} bytes packed (limit {limits.max_payload_bytes})",
+            req.job_id,
+        )
+    return payload
 
 
 # Queue jobs, atomically: all of them, or none when a lane is full. An id already taken
@@ -321,9 +316,10 @@ class _Routing:
 def _submit_args(config: ClientConfig, reqs: list[JobRequest], models: list[str]) -> list[Any]:
     """SUBMIT's arguments for the prepared jobs, each routed to its model."""
     args: list[Any] = [config.namespace, config.job_ttl, *(config.lane_cap(x) for x in LANES)]
-    for r, payload in zip(reqs, _payloads(reqs, models, config.limits), strict=True):
+    for r, model in zip(reqs, models, strict=True):
+        r.model = model  # the client's own copy (_prepare)
         args += [r.job_id, r.model, r.priority, r.tenant or NO_TENANT, r.lane]
-        args += [PROTOCOL_VERSION, payload]
+        args += [PROTOCOL_VERSION, _payload(r, config.limits)]
     return args
 
 
