@@ -1,0 +1,69 @@
+"""The PUBLISH script's duplicate guard, called directly on a real Redis: a call sent again
+(its answer lost), or one that overlaps what an earlier call wrote, adds only the events
+the reply stream lacks, each under its own sequence id; a stream the worker did not write
+gets its events under auto ids rather than losing them."""
+
+from __future__ import annotations
+
+import redis
+
+from tokenq.producer.protocol import Keys, TokenEvent, decode_event
+from tokenq.worker.scripts import Item, Scripts, event_arg
+
+FENCE = b"w1:fence"
+
+
+def _scripts(conn: redis.Redis, namespace: str, jobs: list[str]) -> Scripts:
+    keys = Keys(namespace)
+    for jid in jobs:
+        conn.set(keys.owner(jid), FENCE)
+        conn.set(keys.job(jid), "running")
+    return Scripts(conn, keys, "workers", "w1")
+
+
+def _tokens(first: int, n: int) -> list[bytes]:
+    return [
+        event_arg(TokenEvent(i - 1, [100 + i], f" t{i}", None)) for i in range(first, first + n)
+    ]
+
+
+def _run(scripts: Scripts, jid: str, first: int, events: list[bytes]) -> list[tuple[str, bool]]:
+    item = Item("run", b"q", b"1-1", jid, first_seq=first, events=events)
+    return scripts.publish(FENCE, [item], 600, 3600, 1000)
+
+
+def _reply(conn: redis.Redis, namespace: str, jid: str) -> list[tuple[bytes, list[int]]]:
+    entries = conn.xrange(Keys(namespace).reply(jid))
+    return [(eid, decode_event(eid, fields).token_ids) for eid, fields in entries]
+
+
+def test_a_resent_or_overlapping_publish_adds_only_missing_events(
+    redis_conn: redis.Redis, redis_namespace: str
+) -> None:
+    scripts = _scripts(redis_conn, redis_namespace, ["a", "b"])
+    assert _run(scripts, "a", 1, _tokens(1, 3)) == [("ok", False)]
+    assert _run(scripts, "a", 1, _tokens(1, 3)) == [("ok", False)]  # sent again
+    assert _run(scripts, "a", 2, _tokens(2, 4)) == [("ok", False)]  # overlaps two of three
+    assert _run(scripts, "a", 6, _tokens(6, 1)) == [("ok", False)]
+    want = [(f"0-{i}".encode(), [100 + i]) for i in range(1, 7)]
+    assert _reply(redis_conn, redis_namespace, "a") == want
+    # One call for two jobs, one of them re-sent: the other's events all land.
+    both = [
+        Item("run", b"q", b"1-1", "a", first_seq=6, events=_tokens(6, 2)),
+        Item("run", b"q", b"1-2", "b", first_seq=1, events=_tokens(1, 2)),
+    ]
+    assert scripts.publish(FENCE, both, 600, 3600, 1000) == [("ok", False)] * 2
+    assert _reply(redis_conn, redis_namespace, "a") == [*want, (b"0-7", [107])]
+    assert _reply(redis_conn, redis_namespace, "b") == [(b"0-1", [101]), (b"0-2", [102])]
+
+
+def test_a_reply_stream_with_foreign_ids_gets_the_events_under_auto_ids(
+    redis_conn: redis.Redis, redis_namespace: str
+) -> None:
+    scripts = _scripts(redis_conn, redis_namespace, ["f"])
+    redis_conn.xadd(Keys(redis_namespace).reply("f"), {"note": "written by someone else"})
+    assert _run(scripts, "f", 1, _tokens(1, 2)) == [("ok", False)]
+    entries = redis_conn.xrange(Keys(redis_namespace).reply("f"))
+    assert len(entries) == 3
+    assert all(not eid.startswith(b"0-") for eid, _ in entries)
+    assert [decode_event(eid, f).token_ids for eid, f in entries[1:]] == [[101], [102]]
