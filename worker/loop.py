@@ -79,9 +79,10 @@ WAKE = "wake"  # put on the engine's output queue: the publisher has settlements
 # While no job in flight has new events, how often the publisher still asks Redis whether
 # one was cancelled or taken over (a job with tokens coming asks with every publish).
 QUIET_PUBLISH_S = 0.25
-# Jobs of one delivery are started (claimed, tokenized, handed to the engine) this many at
-# a time: the engine's first step starts with the first of them while the rest are made
-# ready, and they join it between two layers, instead of all waiting for the slowest.
+# Entries of one delivery are started (parsed, claimed, tokenized, handed to the engine)
+# this many at a time: the engine's first step starts with the first of them while the
+# rest are made ready, and they join it between two layers, instead of all waiting for
+# the slowest.
 START_CHUNK = 16
 
 
@@ -400,37 +401,40 @@ class Worker:
             self._take(unknown)
 
     def _take(self, taken: list[Taken]) -> None:
-        """Parse delivered entries: start the good, then reject the bad. In that order: a
+        """Parse delivered entries and start the good (START_CHUNK at a time: the first
+        reach the engine before the last are parsed), then reject the bad. In that order: a
         bad entry naming the job of a good one in the same delivery then finds that job
         held (START took its owner key) and leaves its reply alone, instead of ending it
         with an error before its own entry starts it."""
         with self._lock:
             running = {inf.delivery.entry_id for inf in self.in_flight.values()}
-        candidates: list[tuple[Taken, JobRequest]] = []
-        starting: set[str | None] = set()  # the candidates' job ids
+        starting: set[str | None] = set()  # the job ids of the entries to start
         rejected: list[tuple[Taken, Rejection]] = []
         c = self.config
-        for delivery in taken:
-            if delivery.entry_id in running:
-                continue
-            if delivery.fields is None:
-                rejected.append((delivery, lost_payload()))
-                continue
-            parsed = parse_entry(delivery.fields, delivery.count, c.max_deliveries, c.limits)
-            if isinstance(parsed, JobRequest):
-                jid = parsed.job_id
-                if jid in self.in_flight or jid in starting:
-                    self._settle(self._item("settle", delivery, jid))  # a second entry
-                    self._job_log(jid).info("second entry for a running job acknowledged")
+        served = frozenset(c.served_names)
+        for i in range(0, len(taken), START_CHUNK):
+            candidates: list[tuple[Taken, JobRequest]] = []
+            for delivery in taken[i : i + START_CHUNK]:
+                if delivery.entry_id in running:
                     continue
-                parsed = check_model(parsed, frozenset(c.served_names)) or parsed
-            if isinstance(parsed, Rejection):
-                rejected.append((delivery, parsed))
-            else:
-                candidates.append((delivery, parsed))
-                starting.add(parsed.job_id)
-        for i in range(0, len(candidates), START_CHUNK):
-            self._start(candidates[i : i + START_CHUNK])
+                if delivery.fields is None:
+                    rejected.append((delivery, lost_payload()))
+                    continue
+                parsed = parse_entry(delivery.fields, delivery.count, c.max_deliveries, c.limits)
+                if isinstance(parsed, JobRequest):
+                    jid = parsed.job_id
+                    if jid in self.in_flight or jid in starting:
+                        self._settle(self._item("settle", delivery, jid))  # a second entry
+                        self._job_log(jid).info("second entry for a running job acknowledged")
+                        continue
+                    parsed = check_model(parsed, served) or parsed
+                if isinstance(parsed, Rejection):
+                    rejected.append((delivery, parsed))
+                else:
+                    candidates.append((delivery, parsed))
+                    starting.add(parsed.job_id)
+            if candidates:
+                self._start(candidates)
         for delivery, rejection in rejected:
             self._reject(delivery, rejection)
 
