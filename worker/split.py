@@ -100,6 +100,7 @@ class EngineHost:
         self.logs = logs or LogSettings()
         self._stops: list[float | None] = []  # appended by stop(), sent by run()
         self._conn: Connection | None = None
+        self._sender: _Sender | None = None  # while run() runs
         self._process: multiprocessing.process.BaseProcess | None = None
         self.log = structlog.get_logger("tokenq.worker")
 
@@ -143,13 +144,14 @@ class EngineHost:
             self.start()
         assert self._conn is not None and self._process is not None
         conn, driver = self._conn, self.driver
+        self._sender = sender = _Sender(conn)
         sent_stops = 0
         last: Snapshot | None = None
         with frozen_heap():
             try:
-                while True:
+                while not sender.failed.is_set():
                     while sent_stops < len(self._stops):
-                        conn.send(Stop(self._stops[sent_stops]))
+                        sender.send(Stop(self._stops[sent_stops]))
                         sent_stops += 1
                     idle = driver.paused or not self.engine.has_unfinished()
                     if conn.poll(0.05 if idle else 0.0):
@@ -158,12 +160,13 @@ class EngineHost:
                     outputs = _drain(driver)
                     if outputs or driver.state is not last:  # replaced whole on a change
                         last = driver.state
-                        conn.send((outputs, last))
+                        sender.send((outputs, last))
             except (EOFError, OSError):
                 pass  # the queue process ended: it has published and handed back what it held
             finally:
                 # Also when this process fails: the closed pipe ends the queue process, which
                 # hands its jobs back (else the two would wait on each other at exit).
+                sender.close()
                 conn.close()
                 self._process.join()
         code = self._process.exitcode or 0
@@ -175,14 +178,14 @@ class EngineHost:
     def _between_layers(self) -> bool:
         """The driver's `take_in`, with what came over the pipe since the step began, and
         its step ahead's outputs sent at once: that first token is what it ran for."""
-        conn = self._conn
-        assert conn is not None
+        conn, sender = self._conn, self._sender
+        assert conn is not None and sender is not None
         try:
             if conn.poll(0):
                 self._receive(conn)
             ran = self.driver.take_in()
             if ran:
-                conn.send((_drain(self.driver), self.driver.state))
+                sender.send((_drain(self.driver), self.driver.state))
         except (EOFError, OSError):
             return False  # the queue process ended: run() sees it after this step
         return ran
@@ -199,6 +202,39 @@ class EngineHost:
             else:
                 self.driver.add(command)
             if not conn.poll(0):
+                return
+
+
+_END = object()  # closes a _Sender
+
+
+class _Sender:
+    """The engine's process writes to the pipe from a thread of its own. A write wakes
+    the queue process's reader, and on a VM that costs the writer about 0.2 ms; on the
+    engine's thread it was a gap of that much between every two steps. The thread pickles
+    and writes while the next step runs; one thread keeps what is sent in order."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.failed = threading.Event()  # the pipe closed: the queue process ended
+        self._thread = threading.Thread(target=self._run, name="tokenq-send", daemon=True)
+        self._thread.start()
+
+    def send(self, item: Any) -> None:
+        self._items.put(item)
+
+    def close(self) -> None:
+        """Send what is queued, then end the thread."""
+        self._items.put(_END)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._items.get()) is not _END:
+            try:
+                self._conn.send(item)
+            except (EOFError, OSError):
+                self.failed.set()
                 return
 
 
