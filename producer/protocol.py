@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -221,8 +222,18 @@ def new_job_id() -> str:
     return uuid.uuid4().hex
 
 
+_packers = threading.local()
+
+
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    """One Packer per thread, kept: `msgpack.packb` builds one per call, which costs more
+    than packing a token event (1.7 against 0.7 us), and a worker packs one per job per
+    step. (A Packer empties itself when packing fails.)"""
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(obj)
 
 
 def unpack(data: bytes) -> Any:
