@@ -18,6 +18,8 @@ from tokenq.engine.model import Join, LlamaModel, ModelInputs
 from tokenq.engine.sampler import SampleResult, sample
 from tokenq.engine.scheduler import ScheduledSeq
 from tokenq.engine.sequence import Sequence
+from tokenq.kernels import cpu_ops
+from tokenq.kernels.reference import argmax_rows_torch
 
 
 class ModelRunner:
@@ -60,6 +62,9 @@ class ModelRunner:
             backend=self.backend,
         )
         self.eos_token_ids = checkpoint.eos_token_ids
+        # Greedy rows' argmax over the vocabulary: torch's took 3.3 ms a decode step of 64
+        # rows on the CPU (a quarter of a tiny model's step), the C kernel 0.6 ms.
+        self.argmax = cpu_ops.argmax_rows_cpu if self.backend.name == "cpu" else argmax_rows_torch
 
     def run(
         self,
@@ -150,6 +155,7 @@ class ModelRunner:
                 [q.prompt_token_ids for q in seqs],
                 [q.output_token_ids for q in seqs],
                 [self._banned(q) for q in seqs],
+                self.argmax,
             )
         except Exception:
             return [self._sample_alone(q, logits[i : i + 1]) for i, q in enumerate(seqs)]
@@ -158,7 +164,12 @@ class ModelRunner:
         try:
             banned = self._banned(seq)
             return sample(
-                logits, [seq.params], [seq.prompt_token_ids], [seq.output_token_ids], [banned]
+                logits,
+                [seq.params],
+                [seq.prompt_token_ids],
+                [seq.output_token_ids],
+                [banned],
+                self.argmax,
             )[0]
         except Exception as exc:
             return exc

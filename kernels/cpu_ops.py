@@ -56,6 +56,7 @@ _SIGNATURES = {
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_mul": [_ptr, _ptr, _i64, _i64],
     "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "argmax_rows": [_ptr, _i64, _i64, _i64, _ptr],
 }
 # The suffix of each dtype's kernels in the library.
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -245,3 +246,15 @@ def rope_cpu(
         head_dim,
     )
     return x
+
+
+def argmax_rows_cpu(x: torch.Tensor) -> torch.Tensor:
+    """``argmax_rows_torch``'s indices (int64, one per row) for rows without NaN; NaN
+    entries are skipped. Rows may be strided; each row's entries must be contiguous."""
+    if x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
+        raise ValueError("x must be [rows, cols >= 1] with contiguous rows")
+    dt = x.dtype
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    rows, cols = x.shape
+    _kernel("argmax_rows", dt)(_ptr_of(x, "x", dt), x.stride(0), rows, cols, out.data_ptr())
+    return out

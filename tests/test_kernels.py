@@ -26,7 +26,11 @@ from tokenq.kernels.paged_attention import (  # noqa: E402
     paged_attention_triton,
     split_scratch_numel,
 )
-from tokenq.kernels.reference import paged_attention_torch, write_kv_torch  # noqa: E402
+from tokenq.kernels.reference import (  # noqa: E402
+    argmax_rows_torch,
+    paged_attention_torch,
+    write_kv_torch,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GARBAGE_SCALE = 1e3  # cache slots no sequence owns: a stray read swamps the result
@@ -479,6 +483,42 @@ def test_cpu_rope_bf16(gen: torch.Generator) -> None:
     cpu_ops.rope_cpu(qkv, heads, head_dim, positions, cos, sin)
     assert rel_err(qkv[:, : heads * head_dim].view(rows, heads, head_dim), expected) < BF16_STEP
     assert torch.equal(qkv[:, heads * head_dim :], values)
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_argmax_rows_finds_each_rows_first_maximum(
+    gen: torch.Generator, dtype: torch.dtype
+) -> None:
+    """Against torch's max(dim) on fresh logits: a vocabulary that is not a multiple of the
+    kernel's blocks, maxima tied at random places (the first wins), rows of -inf, rows
+    that are a strided view, rows of one column."""
+    rows = int(torch.randint(1, 70, (), generator=gen))
+    vocab = int(torch.randint(1000, 50_000, (), generator=gen))
+    x = randn(gen, rows, vocab, dtype=dtype)
+    for r in range(0, rows, 3):  # ties: the row's maximum again, further on or before
+        cols = torch.randint(vocab, (2,), generator=gen)
+        x[r, cols] = x[r].max() + 1
+    x[rows // 2] = float("-inf")
+    assert torch.equal(cpu_ops.argmax_rows_cpu(x), argmax_rows_torch(x))
+    wide = randn(gen, rows, vocab + 37, dtype=dtype)
+    view = wide[:, 5 : 5 + vocab]  # rows 37 elements further apart than they are long
+    assert torch.equal(cpu_ops.argmax_rows_cpu(view), argmax_rows_torch(view))
+    column = randn(gen, rows, 1, dtype=dtype)
+    assert torch.equal(cpu_ops.argmax_rows_cpu(column), torch.zeros(rows, dtype=torch.long))
+
+
+@needs_cpu_ops
+def test_cpu_argmax_rows_skips_nan_and_refuses_bad_shapes(gen: torch.Generator) -> None:
+    x = randn(gen, 3, 500)
+    x[0, 7] = float("nan")
+    x[1] = float("nan")
+    x[2, 400] = 1e30
+    assert cpu_ops.argmax_rows_cpu(x).tolist() == [int(x[0].nan_to_num(-1e30).argmax()), 0, 400]
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cpu_ops.argmax_rows_cpu(x.t())
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cpu_ops.argmax_rows_cpu(x[0])
 
 
 @needs_cpu_ops
