@@ -85,3 +85,9 @@ def test_bench_queue_reports_both_sides_and_how_busy_the_engine_was(
         assert line is not None, out.stdout
         stepping, span, share = map(float, line.groups())
         assert 0 < stepping <= span + 1e-3 and 0 < share <= 100.05
+    # The CPU beside the engine: the client's process and redis-server, measured in the run.
+    cpu = re.search(r"^CPU beside the engine in that run: (.*): (\d+) us a token", out.stdout, re.M)
+    assert cpu is not None, out.stdout
+    parts = dict(re.findall(r"([a-z -]+?) ([0-9.]+) s", cpu.group(1)))
+    assert {"client process", "redis-server"} <= {k.strip(", ") for k in parts}, cpu.group(1)
+    assert int(cpu.group(2)) > 0

@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -40,6 +42,11 @@ class RunResult:
     tokens: int
     ttft: list[float]
     steps: tuple[float, float] | None = None  # from StepClock.time, where the run was timed
+    # CPU seconds each party beside the engine used during a queue run (client process,
+    # queue process, redis-server), where they are processes of their own: on a host whose
+    # cores the engine fills, that is what slows its steps, and unlike the run's wall time
+    # it hardly moves with the machine's other load.
+    cpu: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -147,11 +154,18 @@ def run_queue(
         results = ctx.SimpleQueue()
         target = client_process or _client_process
         proc = ctx.Process(target=target, args=(url, namespace, prompts, params, results))
+        before = _side_cpu(conn, worker)
         proc.start()
 
         def client_side() -> None:
-            outcome.update(results.get())
-            worker.stop(grace=0)
+            try:
+                outcome.update(results.get())
+                result = outcome.get("result")
+                if isinstance(result, RunResult):  # (other benches' clients return others)
+                    after = _side_cpu(conn, worker)
+                    result.cpu.update({k: after[k] - before[k] for k in after})
+            finally:
+                worker.stop(grace=0)
 
     run_beside(worker, client_side)
     if "error" in outcome:
@@ -187,17 +201,37 @@ def _url_of(conn: Any) -> str | None:
     return f"redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
 
 
+def _side_cpu(conn: Any, worker: Any) -> dict[str, float]:
+    """CPU seconds used so far by the queue process (none when the Redis side runs on the
+    engine's threads) and by the whole redis-server."""
+    cpu = {}
+    pid = getattr(worker, "queue_pid", None)
+    used = None if pid is None else _process_cpu(pid)
+    if used is not None:
+        cpu["queue process"] = used
+    info = conn.info("cpu")
+    cpu["redis-server"] = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return cpu
+
+
+def _process_cpu(pid: int) -> float | None:
+    """A process's CPU seconds (user + system) so far; None where /proc does not say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _client_process(
     url: str, namespace: str, prompts: list[list[int]], params: dict[str, Any], results: Any
 ) -> None:
     try:
-        results.put(
-            {
-                "result": stream_jobs(
-                    Client(url, namespace=namespace, model=BENCH_NAME), prompts, params
-                )
-            }
-        )
+        used = time.process_time()
+        result = stream_jobs(Client(url, namespace=namespace, model=BENCH_NAME), prompts, params)
+        result.cpu["client process"] = time.process_time() - used
+        results.put({"result": result})
     except BaseException as exc:
         results.put({"error": f"{type(exc).__name__}: {exc}"})
 
@@ -348,3 +382,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{name}: steps took {stepping:.3f} s of {span:.3f} s from the first step to the "
             f"last ({stepping / span:.1%} stepping)"
         )
+    if queued.cpu:
+        parts = ", ".join(f"{name} {used:.2f} s" for name, used in queued.cpu.items())
+        per_token = sum(queued.cpu.values()) / max(1, queued.tokens) * 1e6
+        where = "" if "queue process" in queued.cpu else " (the Redis side: engine's threads)"
+        print(f"CPU beside the engine in that run: {parts}: {per_token:.0f} us a token{where}")

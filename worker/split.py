@@ -138,6 +138,11 @@ class EngineHost:
     def stopping(self) -> bool:
         return bool(self._stops)
 
+    @property
+    def queue_pid(self) -> int | None:
+        """The queue process's pid, once started."""
+        return None if self._process is None else self._process.pid
+
     def run(self) -> int:
         """Step until the queue process ends; its exit code."""
         if self._conn is None:
