@@ -82,14 +82,18 @@ class ModelRunner:
         inputs = self._inputs(scheduled)
         hook = between_layers
         if between_layers is not None and join is not None:
+            merged = inputs
 
             def hook() -> Join | None:
+                nonlocal merged
                 between_layers()
                 joining = join()
                 if not joining:
                     return None
                 scheduled.extend(joining)
-                return Join(self._inputs(joining), self._inputs(scheduled))
+                new = self._inputs(joining)
+                merged = _merged(merged, new)
+                return Join(new, merged)
 
         logits = self.model.forward(
             inputs.input_ids,
@@ -117,7 +121,13 @@ class ModelRunner:
             input_ids += s.seq.token_ids[s.start : end]
             positions += range(s.start, end)
             table = s.seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(s.start, end)]
+            p = s.start
+            while p < end:  # a run of slots per block: a prefill's are not walked one by one
+                block, offset = divmod(p, bs)
+                n = min(bs - offset, end - p)
+                first = table[block] * bs + offset
+                slots += range(first, first + n)
+                p += n
             cu.append(cu[-1] + s.num_tokens)
             seq_lens.append(end)
             if s.samples:
@@ -183,3 +193,30 @@ class ModelRunner:
         if not p.ignore_eos:
             banned += self.eos_token_ids
         return banned
+
+
+def _merged(a: ModelInputs, b: ModelInputs) -> ModelInputs:
+    """``b``'s batch appended to ``a``'s, the same as ``_inputs`` of both requests' lists:
+    the inputs of a pass that requests joined are its own and theirs joined as tensors,
+    not all its tokens walked again in Python (2,048 of them for 64 prompts of 32)."""
+    ma, mb = a.meta, b.meta
+    n = a.input_ids.shape[0]  # a's tokens (a shape: no device sync)
+    width = max(ma.block_tables.shape[1], mb.block_tables.shape[1])
+
+    def padded(tables: torch.Tensor) -> torch.Tensor:  # as _inputs pads: with block 0
+        return torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.cat([ma.cu_seqlens_q, mb.cu_seqlens_q[1:] + n]),
+        seq_lens=torch.cat([ma.seq_lens, mb.seq_lens]),
+        block_tables=torch.cat([padded(ma.block_tables), padded(mb.block_tables)]),
+        slot_mapping=torch.cat([ma.slot_mapping, mb.slot_mapping]),
+        max_query_len=max(ma.max_query_len, mb.max_query_len),
+        max_seq_len=max(ma.max_seq_len, mb.max_seq_len),
+    )
+    return ModelInputs(
+        torch.cat([a.input_ids, b.input_ids]),
+        torch.cat([a.positions, b.positions]),
+        meta,
+        torch.cat([a.logits_indices, b.logits_indices + n]),
+    )

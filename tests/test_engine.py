@@ -13,6 +13,7 @@ from tokenq.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParam
 from tokenq.engine.downloads import build_dir
 from tokenq.engine.hf_reference import build_hf_model, greedy_config
 from tokenq.engine.loader import load_checkpoint
+from tokenq.engine.model_runner import _merged
 from tokenq.engine.sequence import Sequence
 from tokenq.kernels import cpu_ops
 
@@ -691,6 +692,28 @@ def test_requests_added_early_in_a_step_join_its_pass_with_the_same_tokens(
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert {f"r{i}": tokens[f"r{i}"] for i in range(5)} == together
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_joined_inputs_equal_the_inputs_of_all_the_requests_at_once(tiny_dir: Path):
+    """A pass's inputs after joins are its own and the joining requests' joined as tensors;
+    they must equal what one walk over all the requests builds: tokens, positions, slots,
+    query offsets, lengths, block tables padded to the widest, logits rows."""
+    engine = make_engine(tiny_dir)
+    for i, ids in enumerate(prompts(4, (5, 40, 17, 70))):  # 1, 3, 2 and 5 blocks of 16
+        engine.add_request(f"r{i}", prompt_token_ids=ids, params=GREEDY)
+    scheduled = engine.scheduler.schedule().scheduled
+    runner = engine.model_runner
+    whole = runner._inputs(scheduled)
+    parts = [scheduled[:1], scheduled[1:3], scheduled[3:]]
+    merged = runner._inputs(parts[0])
+    for part in parts[1:]:
+        merged = _merged(merged, runner._inputs(part))
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(merged, name), getattr(whole, name)), name
+    for name in ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping"):
+        assert torch.equal(getattr(merged.meta, name), getattr(whole.meta, name)), name
+    assert merged.meta.max_query_len == whole.meta.max_query_len == 70
+    assert merged.meta.max_seq_len == whole.meta.max_seq_len
 
 
 def test_no_request_joins_a_step_beyond_its_token_budget(tiny_dir: Path):

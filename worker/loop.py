@@ -39,6 +39,7 @@ import redis
 import structlog
 
 from tokenq.engine.prompts import Prompts
+from tokenq.engine.sampling_params import SamplingParams
 from tokenq.producer.protocol import (
     DONE,
     ERROR,
@@ -491,16 +492,18 @@ class Worker:
     def _prepare(
         self, delivery: Taken, job: JobRequest, history: ReplyHistory, next_seq: int
     ) -> Add | None:
-        """Tokenize the prompt here, off the engine's thread, and book the job in flight."""
+        """Tokenize the prompt and build the sampling parameters here, off the engine's
+        thread, and book the job in flight."""
         jid = job.job_id
         assert jid is not None
         try:
+            params = SamplingParams.from_dict(engine_params(job))
             if job.prompt_token_ids is not None:
                 ids = self.prompts.encode(prompt_token_ids=job.prompt_token_ids)
             else:  # the tokenizer's own logs (a chat template's warning) name the job
                 with structlog.contextvars.bound_contextvars(job_id=jid):
                     ids = self.prompts.encode(job.prompt, messages=job.messages)
-        except Exception as exc:  # InvalidRequest: the prompt is bad; else: a bug, isolated
+        except Exception as exc:  # InvalidRequest: the job is bad; else: a bug, isolated
             code = getattr(exc, "code", "internal_error")
             message = getattr(exc, "message", f"{type(exc).__name__}: {exc}")
             rejection = Rejection(code, message, jid, metadata=job.metadata)
@@ -524,7 +527,7 @@ class Worker:
         return Add(
             jid,
             ids,
-            engine_params(job),
+            params,
             job.priority,
             to_monotonic(enqueue_time(delivery.entry_id)),
             None if job.deadline is None else to_monotonic(job.deadline),
