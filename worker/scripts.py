@@ -90,25 +90,27 @@ local function last_seq(reply)
   return tonumber(seq)
 end
 
+-- One event (its type's letter, then its data) at `id`; false if Redis refused it.
+local function add(reply, id, ev)
+  local t, d = TYPES[string.sub(ev, 1, 1)], string.sub(ev, 2)
+  return not redis.pcall('XADD', reply, id, 'type', t, 'data', d).err
+end
+
 -- Events go to ids 0-first, 0-first+1, ...; the usual call finds the stream ending just
 -- below `first`, and its first XADD shows that without a read (Redis refuses an id at or
 -- below the stream's top); only a refused one (a re-sent call, a foreign stream) reads the
 -- top to decide which events are still missing.
 local function append(reply, first, a, n)
   if n == 0 then return end
-  local head = ARGV[a]
   local k0, last = 1, first - 1
-  if redis.pcall('XADD', reply, '0-' .. first, 'type', TYPES[string.sub(head, 1, 1)],
-                 'data', string.sub(head, 2)).err then
+  if not add(reply, '0-' .. first, ARGV[a]) then
     k0, last = 0, last_seq(reply)
   end
   for k = k0, n - 1 do
-    local ev = ARGV[a + k]
-    local t, d = TYPES[string.sub(ev, 1, 1)], string.sub(ev, 2)
     if last < 0 then
-      redis.pcall('XADD', reply, '*', 'type', t, 'data', d)
+      add(reply, '*', ARGV[a + k])
     elseif first + k > last then
-      redis.pcall('XADD', reply, '0-' .. (first + k), 'type', t, 'data', d)
+      add(reply, '0-' .. (first + k), ARGV[a + k])
     end
   end
 end
