@@ -44,8 +44,8 @@ class RunResult:
     steps: tuple[float, float] | None = None  # from StepClock.time, where the run was timed
     # CPU seconds each party beside the engine used during a queue run (client process,
     # queue process, redis-server), where they are processes of their own: on a host whose
-    # cores the engine fills, that is what slows its steps, and unlike the run's wall time
-    # it hardly moves with the machine's other load.
+    # cores the engine fills, that is what slows its steps. It moves less than the run's
+    # wall time with the machine's other load, but still moves (a slower host spends more).
     cpu: dict[str, float] = field(default_factory=dict)
 
     @property
