@@ -28,6 +28,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import select
 import signal
 import threading
 from collections.abc import Callable
@@ -101,6 +102,7 @@ class EngineHost:
         self._stops: list[float | None] = []  # appended by stop(), sent by run()
         self._conn: Connection | None = None
         self._sender: _Sender | None = None  # while run() runs
+        self._readable: _Readable | None = None  # while run() runs
         self._process: multiprocessing.process.BaseProcess | None = None
         self.log = structlog.get_logger("tokenq.worker")
 
@@ -150,6 +152,7 @@ class EngineHost:
         assert self._conn is not None and self._process is not None
         conn, driver = self._conn, self.driver
         self._sender = sender = _Sender(conn)
+        self._readable = readable = _Readable(conn)
         sent_stops = 0
         last: Snapshot | None = None
         with frozen_heap():
@@ -159,13 +162,13 @@ class EngineHost:
                         sender.send(Stop(self._stops[sent_stops]))
                         sent_stops += 1
                     idle = driver.paused or not self.engine.has_unfinished()
-                    if conn.poll(0.05 if idle else 0.0):
+                    if readable(0.05 if idle else 0.0):
                         self._receive(conn)
                     driver.pump()
                     outputs = _drain(driver)
                     if outputs or driver.state is not last:  # replaced whole on a change
                         last = driver.state
-                        sender.send((outputs, last))
+                        sender.send_step(outputs, last)
             except (EOFError, OSError):
                 pass  # the queue process ended: it has published and handed back what it held
             finally:
@@ -183,14 +186,14 @@ class EngineHost:
     def _between_layers(self) -> bool:
         """The driver's `take_in`, with what came over the pipe since the step began, and
         its step ahead's outputs sent at once: that first token is what it ran for."""
-        conn, sender = self._conn, self._sender
-        assert conn is not None and sender is not None
+        conn, sender, readable = self._conn, self._sender, self._readable
+        assert conn is not None and sender is not None and readable is not None
         try:
-            if conn.poll(0):
+            if readable(0):
                 self._receive(conn)
             ran = self.driver.take_in()
             if ran:
-                sender.send((_drain(self.driver), self.driver.state))
+                sender.send_step(_drain(self.driver), self.driver.state)
         except (EOFError, OSError):
             return False  # the queue process ended: run() sees it after this step
         return ran
@@ -198,6 +201,8 @@ class EngineHost:
     def _receive(self, conn: Connection) -> None:
         """Take every command waiting in the pipe (the driver applies them before its
         next step)."""
+        readable = self._readable
+        assert readable is not None
         while True:
             command = conn.recv()
             if isinstance(command, Pause):
@@ -206,8 +211,30 @@ class EngineHost:
                 self.driver.abort(command.job_id)
             else:
                 self.driver.add(command)
-            if not conn.poll(0):
+            if not readable(0):
                 return
+
+
+class _Readable:
+    """Whether a message waits in the pipe, from one poll object registered once:
+    `Connection.poll` builds and closes a selector on every call, which took 70 us of
+    the gap between two steps (median, a queue run of the tiny model)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._poll = select.poll()
+        self._poll.register(conn.fileno(), select.POLLIN)
+
+    def __call__(self, timeout: float) -> bool:
+        """Also true once the pipe has closed: the `recv` that follows raises EOFError."""
+        return bool(self._poll.poll(timeout * 1000))
+
+
+@dataclass
+class _StepOut:
+    """A step's outputs as the driver queued them, and the snapshot after it."""
+
+    outputs: list[Any]
+    state: Snapshot
 
 
 _END = object()  # closes a _Sender
@@ -216,8 +243,9 @@ _END = object()  # closes a _Sender
 class _Sender:
     """The engine's process writes to the pipe from a thread of its own. A write wakes
     the queue process's reader, and on a VM that costs the writer about 0.2 ms; on the
-    engine's thread it was a gap of that much between every two steps. The thread pickles
-    and writes while the next step runs; one thread keeps what is sent in order."""
+    engine's thread it was a gap of that much between every two steps. The thread turns
+    a step's outputs into their wire form, pickles and writes while the next step runs;
+    one thread keeps what is sent in order."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -229,6 +257,9 @@ class _Sender:
     def send(self, item: Any) -> None:
         self._items.put(item)
 
+    def send_step(self, outputs: list[Any], state: Snapshot) -> None:
+        self._items.put(_StepOut(outputs, state))
+
     def close(self) -> None:
         """Send what is queued, then end the thread."""
         self._items.put(_END)
@@ -236,6 +267,8 @@ class _Sender:
 
     def _run(self) -> None:
         while (item := self._items.get()) is not _END:
+            if isinstance(item, _StepOut):
+                item = (_wire(item.outputs), item.state)
             try:
                 self._conn.send(item)
             except (EOFError, OSError):
@@ -244,19 +277,23 @@ class _Sender:
 
 
 def _drain(driver: EngineDriver) -> list[Any]:
-    """The driver's outputs as they cross the pipe: each step's deltas as tuples of their
-    fields (pickled at C speed, where a dataclass costs a reduce call each), a running
-    request's without its metrics (their token times grow by one each step: pickling them
-    every step would cost the engine's process time quadratic in a reply's length). The
-    final delta carries them, for the timings and latencies observed when a job ends."""
+    """The outputs the driver has queued (the engine no longer touches them)."""
     outputs: list[Any] = []
     while not driver.outputs.empty():
-        output = driver.outputs.get_nowait()
-        if isinstance(output, list):
-            outputs.append([_delta_fields(d) for d in output])
-        else:
-            outputs.append(output)
+        outputs.append(driver.outputs.get_nowait())
     return outputs
+
+
+def _wire(outputs: list[Any]) -> list[Any]:
+    """Outputs as they cross the pipe: each step's deltas as tuples of their fields
+    (pickled at C speed, where a dataclass costs a reduce call each), a running request's
+    without its metrics (their token times grow by one each step: pickling them every
+    step would cost the engine's process time quadratic in a reply's length). The final
+    delta carries them, for the timings and latencies observed when a job ends."""
+    return [
+        [_delta_fields(d) for d in output] if isinstance(output, list) else output
+        for output in outputs
+    ]
 
 
 def _delta_fields(d: RequestDelta) -> tuple[Any, ...]:
