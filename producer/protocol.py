@@ -621,9 +621,13 @@ def reply_seq(event_id: bytes | str) -> int:
     return int(eid.rpartition("-")[2])
 
 
+# The types by name as a reply stream gives them (bytes) or a decoding client (str).
+_TYPES_READ = {**EVENT_TYPES, **{name.encode(): cls for name, cls in EVENT_TYPES.items()}}
+
+
 def decode_event(event_id: bytes | str, fields: dict[bytes, bytes]) -> Event:
-    kind = _text(fields.get(b"type"))
-    cls = EVENT_TYPES.get(kind or "")
+    kind = fields.get(b"type")
+    cls = _TYPES_READ.get(kind)  # type: ignore[arg-type]
     if cls is None:
-        raise ProtocolError("invalid_event", f"unknown reply event type {clip(kind)}")
+        raise ProtocolError("invalid_event", f"unknown reply event type {clip(_text(kind))}")
     return cls.from_data(unpack(fields[b"data"]), _text(event_id) or "")
