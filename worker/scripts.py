@@ -13,6 +13,7 @@ arguments and holds the scripts.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -543,13 +544,12 @@ class Scripts:
         args: list[Any] = [token, self.consumer, self.group, running_ttl_s, reply_ttl_s]
         args += [dead_maxlen, self.keys.namespace]
         for it in items:
-            dead = [x for pair in (it.dead or {}).items() for x in pair]
-            header = (
-                f"{it.mode} {it.job_id or '-'} {it.stream.decode()} {it.entry_id.decode()} "
-                f"{it.backlog or '-'} {it.first_seq} {it.status or '-'} {int(it.release)} "
+            dead = [x for pair in it.dead.items() for x in pair] if it.dead else []
+            head = _head(it.mode, it.job_id, it.stream, it.entry_id, it.backlog)
+            args.append(
+                f"{head} {it.first_seq} {it.status or '-'} {int(it.release)} "
                 f"{len(it.events)} {len(dead)}"
             )
-            args.append(header)
             args += it.events
             args += dead
         answer = self._publish(keys=[self.keys.dead], args=args)
@@ -567,6 +567,15 @@ class Scripts:
         for stream, eid in entries:
             args += [stream, eid]
         return set(self._keep(args=args))
+
+
+@functools.lru_cache(maxsize=4096)
+def _head(
+    mode: str, job_id: str | None, stream: bytes, entry_id: bytes, backlog: str | None
+) -> str:
+    """The part of an item's PUBLISH header that stays the same for as long as its job
+    runs: formatted once, not for each of the job's publishes (one a step)."""
+    return f"{mode} {job_id or '-'} {stream.decode()} {entry_id.decode()} {backlog or '-'}"
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
