@@ -67,3 +67,22 @@ def test_a_reply_stream_with_foreign_ids_gets_the_events_under_auto_ids(
     assert len(entries) == 3
     assert all(not eid.startswith(b"0-") for eid, _ in entries)
     assert [decode_event(eid, f).token_ids for eid, f in entries[1:]] == [[101], [102]]
+
+
+def test_a_publish_goes_through_after_a_script_flush_or_a_killed_connection(
+    redis_conn: redis.Redis, redis_namespace: str
+) -> None:
+    # Its own client, named, so that only its connection is killed on a shared server.
+    kwargs = redis_conn.connection_pool.connection_kwargs
+    own = redis.Redis(host=kwargs["host"], port=kwargs["port"], client_name="tokenq-publish-test")
+    scripts = _scripts(own, redis_namespace, ["a"])
+    assert _run(scripts, "a", 1, _tokens(1, 1)) == [("ok", False)]
+    redis_conn.script_flush()
+    assert _run(scripts, "a", 2, _tokens(2, 1)) == [("ok", False)]
+    for client in redis_conn.client_list():
+        if client["name"] == "tokenq-publish-test":
+            redis_conn.client_kill_filter(_id=client["id"])
+    assert _run(scripts, "a", 3, _tokens(3, 1)) == [("ok", False)]
+    want = [(f"0-{i}".encode(), [100 + i]) for i in range(1, 4)]
+    assert _reply(redis_conn, redis_namespace, "a") == want
+    own.close()
