@@ -108,6 +108,8 @@ class Continuation:
         start = len(self.token_ids)
         self.token_ids += ids
         self.text += text
+        if not self._verifying and self._logprobs is None:  # most jobs, most steps
+            return [TokenEvent(start, ids, text)] if ids or text else []
         if self._logprobs is not None and logprobs is not None:
             self._logprobs += logprobs
         if not self._verifying:
