@@ -225,8 +225,15 @@ def cmd_batch_run(args: argparse.Namespace) -> int:
         return EXIT_NO_REDIS
     except KeyboardInterrupt:
         bar.close()
+        if files is not None:
+            files.close()  # every answer so far is on disk: the re-run skips them
+        client.close()
         print("tokenq batch: interrupted; run the same command to resume", file=sys.stderr)
-        return 130
+        sys.stderr.flush()
+        # Leave at once: the interrupt may have stopped this thread inside a lock that the
+        # threads following replies need, and the interpreter's exit would wait for them
+        # (once, in CI, for more than 30 s). The jobs queued run on; a re-run follows them.
+        os._exit(130)
     finally:
         bar.close()
         if run is not None:
