@@ -200,6 +200,7 @@ def cmd_batch_run(args: argparse.Namespace) -> int:
     client = Client(args.redis_url, namespace=args.namespace, retry_for=args.retry_for)
     files = None
     run = None
+    interrupted = False
     try:
         done = batch.load_done([args.output, errors], batch_id)
         files = batch.ResultFiles(args.output, errors)
@@ -224,23 +225,21 @@ def cmd_batch_run(args: argparse.Namespace) -> int:
         )
         return EXIT_NO_REDIS
     except KeyboardInterrupt:
+        interrupted = True
+    finally:
         bar.close()
-        if files is not None:
-            files.close()  # every answer so far is on disk: the re-run skips them
+        if run is not None and not interrupted:  # interrupted: os._exit below ends it all
+            run.close()
         client.close()
+        if files is not None:
+            files.close()  # every answer so far is on disk: a re-run skips them
+    if interrupted:
         print("tokenq batch: interrupted; run the same command to resume", file=sys.stderr)
         sys.stderr.flush()
         # Leave at once: the interrupt may have stopped this thread inside a lock that the
         # threads following replies need, and the interpreter's exit would wait for them
         # (once, in CI, for more than 30 s). The jobs queued run on; a re-run follows them.
         os._exit(130)
-    finally:
-        bar.close()
-        if run is not None:
-            run.close()
-        client.close()
-        if files is not None:
-            files.close()
     print(
         f"batch {batch_id}: {counts.total} lines: {counts.succeeded} done, "
         f"{counts.failed} failed, {counts.already} answered before; "
