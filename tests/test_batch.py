@@ -48,9 +48,11 @@ def write_batch(path: Path, lines: list[dict[str, Any] | str]) -> Path:
 
 
 def records(path: Path) -> list[dict[str, Any]]:
+    """The file's whole lines: a running batch may be writing the last one as it is read."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    whole = path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in whole.splitlines()]
 
 
 def batch_cmd(url: str, ns: str, source: Path, out: Path, *extra: str) -> list[str]:
