@@ -10,7 +10,12 @@ fork), and the engine's process only steps:
 
 - the engine's process (`EngineHost.run`, the main thread of `tokenq worker`) applies
   the commands that came over the pipe (requests, aborts, pause), runs one step with the
-  `EngineDriver`, and sends the step's outputs with a snapshot of the engine's capacity;
+  `EngineDriver`, and sends the step's outputs with a snapshot of the engine's capacity.
+  It writes them itself, between two steps (about 0.1 ms for 64 jobs): a thread that
+  wrote them while the next step ran took the interpreter lock from that step, and the
+  steps ran longer by more than the write cost (docs/performance.md). The write waits
+  only if the queue process's reader, a thread that does nothing else, is some 40 steps
+  behind (the socket's buffer);
 - the queue process runs `Worker.run` with a `RemoteEngine` where the driver would be:
   a thread of its own reads the pipe into the outputs queue the publisher reads, and
   intake and publisher send their commands back.
@@ -101,7 +106,6 @@ class EngineHost:
         self.logs = logs or LogSettings()
         self._stops: list[float | None] = []  # appended by stop(), sent by run()
         self._conn: Connection | None = None
-        self._sender: _Sender | None = None  # while run() runs
         self._readable: _Readable | None = None  # while run() runs
         self._process: multiprocessing.process.BaseProcess | None = None
         self.log = structlog.get_logger("tokenq.worker")
@@ -151,15 +155,14 @@ class EngineHost:
             self.start()
         assert self._conn is not None and self._process is not None
         conn, driver = self._conn, self.driver
-        self._sender = sender = _Sender(conn)
         self._readable = readable = _Readable(conn)
         sent_stops = 0
         last: Snapshot | None = None
         with frozen_heap():
             try:
-                while not sender.failed.is_set():
+                while True:
                     while sent_stops < len(self._stops):
-                        sender.send(Stop(self._stops[sent_stops]))
+                        conn.send(Stop(self._stops[sent_stops]))
                         sent_stops += 1
                     idle = driver.paused or not self.engine.has_unfinished()
                     if readable(0.05 if idle else 0.0):
@@ -168,13 +171,12 @@ class EngineHost:
                     outputs = _drain(driver)
                     if outputs or driver.state is not last:  # replaced whole on a change
                         last = driver.state
-                        sender.send_step(outputs, last)
+                        conn.send((_wire(outputs), last))
             except (EOFError, OSError):
                 pass  # the queue process ended: it has published and handed back what it held
             finally:
                 # Also when this process fails: the closed pipe ends the queue process, which
                 # hands its jobs back (else the two would wait on each other at exit).
-                sender.close()
                 conn.close()
                 self._process.join()
         code = self._process.exitcode or 0
@@ -186,14 +188,14 @@ class EngineHost:
     def _between_layers(self) -> bool:
         """The driver's `take_in`, with what came over the pipe since the step began, and
         its step ahead's outputs sent at once: that first token is what it ran for."""
-        conn, sender, readable = self._conn, self._sender, self._readable
-        assert conn is not None and sender is not None and readable is not None
+        conn, readable = self._conn, self._readable
+        assert conn is not None and readable is not None
         try:
             if readable(0):
                 self._receive(conn)
             ran = self.driver.take_in()
             if ran:
-                sender.send_step(_drain(self.driver), self.driver.state)
+                conn.send((_wire(_drain(self.driver)), self.driver.state))
         except (EOFError, OSError):
             return False  # the queue process ended: run() sees it after this step
         return ran
@@ -227,53 +229,6 @@ class _Readable:
     def __call__(self, timeout: float) -> bool:
         """Also true once the pipe has closed: the `recv` that follows raises EOFError."""
         return bool(self._poll.poll(timeout * 1000))
-
-
-@dataclass
-class _StepOut:
-    """A step's outputs as the driver queued them, and the snapshot after it."""
-
-    outputs: list[Any]
-    state: Snapshot
-
-
-_END = object()  # closes a _Sender
-
-
-class _Sender:
-    """The engine's process writes to the pipe from a thread of its own. A write wakes
-    the queue process's reader, and on a VM that costs the writer about 0.2 ms; on the
-    engine's thread it was a gap of that much between every two steps. The thread turns
-    a step's outputs into their wire form, pickles and writes while the next step runs;
-    one thread keeps what is sent in order."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.failed = threading.Event()  # the pipe closed: the queue process ended
-        self._thread = threading.Thread(target=self._run, name="tokenq-send", daemon=True)
-        self._thread.start()
-
-    def send(self, item: Any) -> None:
-        self._items.put(item)
-
-    def send_step(self, outputs: list[Any], state: Snapshot) -> None:
-        self._items.put(_StepOut(outputs, state))
-
-    def close(self) -> None:
-        """Send what is queued, then end the thread."""
-        self._items.put(_END)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (item := self._items.get()) is not _END:
-            if isinstance(item, _StepOut):
-                item = (_wire(item.outputs), item.state)
-            try:
-                self._conn.send(item)
-            except (EOFError, OSError):
-                self.failed.set()
-                return
 
 
 def _drain(driver: EngineDriver) -> list[Any]:
