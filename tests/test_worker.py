@@ -10,6 +10,7 @@ import time
 import weakref
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -403,6 +404,42 @@ def test_a_worker_holds_no_more_jobs_than_its_engine_admits(
     # still being published when their slots are refilled (the engine does not wait for
     # Redis). The other eight stay in the stream for any worker to take.
     assert 2 <= max(held) <= 4, held
+
+
+def test_a_take_that_emptied_the_queues_is_not_repeated_until_a_doorbell_rings(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    # A slot freed at the end of a step used to run a TAKE that found nothing, beside the
+    # publish of that step's tokens. New entries still come in: a submit rings the
+    # doorbell, and an entry added without one is taken once a block has passed.
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    conn = client.redis
+    worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
+    take, taken = worker.scripts.take, []
+
+    def counted(*args: Any) -> list:
+        entries = take(*args)
+        taken.append(len(entries))
+        return entries
+
+    worker.scripts.take = counted  # type: ignore[method-assign]
+    block = 0.3
+    client.submit_many([make_request("first", max_tokens=2, **GREEDY)])
+    worker._admit(block)
+    assert taken == [1]
+    worker._admit(block)  # reads the first submit's doorbell instead of the emptied queue
+    assert taken == [1]
+    client.submit_many([make_request("second", max_tokens=2, **GREEDY)])
+    worker._admit(block)
+    assert taken == [1, 1]
+    fields = {"v": "2", "id": "no-bell", "data": pack({"prompt": "third", "max_tokens": 2})}
+    add_raw(conn, worker.keys, fields)  # as a producer that rings no doorbell
+    started = time.monotonic()
+    while sum(taken) < 3:
+        worker._admit(block)
+        assert time.monotonic() - started < 4 * block, taken
 
 
 def test_a_live_worker_keeps_its_long_job_from_other_workers(

@@ -186,6 +186,10 @@ class Worker:
         self._replay = True  # first, own pending entries a previous process left
         self._turn = 0  # rotates which tenant a TAKE serves first
         self._bells = dict.fromkeys(c.served_names, b"0-0")  # last doorbell seen per model
+        # The lanes the last TAKE emptied, believed empty until a doorbell rings or a block
+        # passes (a doorbell lost with a restarted Redis must not stall the intake).
+        self._emptied: tuple[bool, ...] = (False, False, False)
+        self._emptied_until = 0.0
         self._next_claim = 0.0
         self._intake_backoff = Backoff(c.max_backoff_s)
         # Publisher thread only.
@@ -321,6 +325,7 @@ class Worker:
             self._replay = False
         if self._resync:
             self._resync = False
+            self._emptied_until = 0.0
             # The heartbeat that finds jobs lost while Redis was away runs on the publisher
             # thread: here it could see an entry the publisher has just settled as gone.
             self._next_heartbeat = 0.0
@@ -349,16 +354,20 @@ class Worker:
         c = self.config
         slots = self._slots()
         taken: list[Taken] = []
-        if max(slots) > 0:
+        if max(slots) > 0 and not self._all_emptied(slots):
             self._turn += 1
             waits = [int(c.lane_max_wait_s.get(lane, 0) * 1000) for lane in LANES]
             taken = self.scripts.take(c.served_names, slots, waits, self._turn)
+            # Each entry taken uses a slot of every lane: a lane left with slots was emptied.
+            self._emptied = tuple(n > len(taken) for n in slots)
+            self._emptied_until = time.monotonic() + block
         if taken:
             self._take(taken)
         elif block and max(slots) > 0:
             bells = {self.keys.bell(name): last for name, last in self._bells.items()}
             started = time.monotonic()
             resp = self.redis.xread(bells, count=1, block=max(1, int(block * 1000)))
+            self._emptied_until = 0.0  # a doorbell rang, or a block passed: take again
             for key, entries in resp or []:
                 name = key.decode().removeprefix(self.keys.bell(""))
                 self._bells[name] = entries[-1][0]
@@ -368,6 +377,14 @@ class Worker:
         elif block:
             self.driver.freed.wait(block)  # full: wait for the engine to free a slot
             self.driver.freed.clear()
+
+    def _all_emptied(self, slots: list[int]) -> bool:
+        """Whether every lane with free slots was emptied by the last TAKE and no doorbell
+        has rung since: a slot freed at the end of a step then takes nothing, and the TAKE
+        it would have run collided with that step's publish (the first tokens of a burst)."""
+        if time.monotonic() >= self._emptied_until:
+            return False
+        return all(empty or n == 0 for n, empty in zip(slots, self._emptied, strict=True))
 
     def _reclaim(self) -> None:
         """Take over entries of workers that stopped heartbeating (this counts a delivery:
