@@ -39,6 +39,7 @@ from tokenq.producer.protocol import Keys, TokenEvent, decode_event, encode_even
 from tokenq.worker.cli import build_parser, worker_kwargs
 from tokenq.worker.logs import configure_logging
 from tokenq.worker.loop import Worker
+from tokenq.worker.split import make_worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -510,17 +511,21 @@ def test_tokenq_submit_prints_the_answer(
     structlog.reset_defaults()
 
 
+@pytest.mark.parametrize("side", ["threads", "process"])
 def test_a_stream_interval_sends_first_tokens_at_once_and_the_rest_in_chunks(
     tiny_model: Path,  # noqa: F811
     redis_url: str,
     redis_namespace: str,
+    side: str,
 ) -> None:
+    # In two processes the engine's also sends running jobs' tokens over the pipe once an
+    # interval: none may be lost or reordered on the way.
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     jobs = client.submit_many(
         make_request(f"chunked {i}", max_tokens=200, **GREEDY) for i in range(4)
     )
     config = fast_config(redis_namespace, stream_interval_s=0.05)
-    with WorkerThread(Worker(make_engine(tiny_model), client.redis, config)):
+    with WorkerThread(make_worker(make_engine(tiny_model), redis_url, config, side=side)):
         replies = [check_reply(list(job.stream(timeout=60))) for job in jobs]
     expected = reference_run(
         tiny_model,

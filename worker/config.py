@@ -52,7 +52,9 @@ class WorkerConfig:
     max_backoff_s: float = 2.0  # between retries while Redis does not answer
     # Tokens after a job's first are published at most this often (a job's first token and
     # its end go out at once): fast engines then cost Redis, the clients and this worker one
-    # event per job per interval instead of one per step. 0: every step.
+    # event per job per interval instead of one per step; with the Redis side in a process
+    # of its own, the engine's process also sends them over the pipe that often. 0: every
+    # step.
     stream_interval_s: float = 0.02
     metrics_interval_s: float = 10.0  # the summary in Redis and the log line
     # Prometheus metrics over HTTP at http://<metrics_addr>:<metrics_port>/metrics; 0: none.

@@ -11,11 +11,13 @@ fork), and the engine's process only steps:
 - the engine's process (`EngineHost.run`, the main thread of `tokenq worker`) applies
   the commands that came over the pipe (requests, aborts, pause), runs one step with the
   `EngineDriver`, and sends the step's outputs with a snapshot of the engine's capacity.
-  It writes them itself, between two steps (about 0.1 ms for 64 jobs): a thread that
-  wrote them while the next step ran took the interpreter lock from that step, and the
-  steps ran longer by more than the write cost (docs/performance.md). The write waits
-  only if the queue process's reader, a thread that does nothing else, is some 40 steps
-  behind (the socket's buffer);
+  It writes them itself, between two steps: a thread that wrote them while the next step
+  ran took the interpreter lock from that step, and the steps ran longer by more than
+  the write costs (docs/performance.md). A write costs about 0.14 ms (it wakes the
+  queue process's reader), so running jobs' tokens go at most once a stream interval;
+  first tokens, ends and a change in what the engine admits go at once (`_due`). A write
+  waits only if the reader, a thread that does nothing else, is some 40 writes behind
+  (the socket's buffer);
 - the queue process runs `Worker.run` with a `RemoteEngine` where the driver would be:
   a thread of its own reads the pipe into the outputs queue the publisher reads, and
   intake and publisher send their commands back.
@@ -36,6 +38,7 @@ import queue
 import select
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -107,6 +110,10 @@ class EngineHost:
         self._stops: list[float | None] = []  # appended by stop(), sent by run()
         self._conn: Connection | None = None
         self._readable: _Readable | None = None  # while run() runs
+        # Outputs not sent yet, the snapshot last sent and when (see `_due`).
+        self._held: list[Any] = []
+        self._last: Snapshot | None = None
+        self._sent_at = 0.0
         self._process: multiprocessing.process.BaseProcess | None = None
         self.log = structlog.get_logger("tokenq.worker")
 
@@ -157,7 +164,6 @@ class EngineHost:
         conn, driver = self._conn, self.driver
         self._readable = readable = _Readable(conn)
         sent_stops = 0
-        last: Snapshot | None = None
         with frozen_heap():
             try:
                 while True:
@@ -168,10 +174,9 @@ class EngineHost:
                     if readable(0.05 if idle else 0.0):
                         self._receive(conn)
                     driver.pump()
-                    outputs = _drain(driver)
-                    if outputs or driver.state is not last:  # replaced whole on a change
-                        last = driver.state
-                        conn.send((_wire(outputs), last))
+                    self._held += _drain(driver)
+                    if self._due():
+                        self._send(conn)
             except (EOFError, OSError):
                 pass  # the queue process ended: it has published and handed back what it held
             finally:
@@ -195,10 +200,43 @@ class EngineHost:
                 self._receive(conn)
             ran = self.driver.take_in()
             if ran:
-                conn.send((_wire(_drain(self.driver)), self.driver.state))
+                self._held += _drain(self.driver)
+                self._send(conn)
         except (EOFError, OSError):
             return False  # the queue process ended: run() sees it after this step
         return ran
+
+    def _due(self) -> bool:
+        """Whether to send what the steps since the last send produced. Each write wakes
+        the queue process's reader and costs this thread about 0.14 ms on a VM, more than
+        a tiny model's step takes to decode one token for a few jobs, so running jobs'
+        tokens are sent at most once a stream interval (the queue process publishes
+        them no more often). At once: a first token, an end, a refusal or failure, a
+        change in what the engine admits, and everything before the engine idles."""
+        state, last = self.driver.state, self._last
+        if not self._held and state is last:  # a snapshot is replaced whole on a change
+            return False
+        if (
+            time.monotonic() - self._sent_at >= self.config.stream_interval_s
+            or last is None
+            or (state.free, state.free_by_lane, state.applied)
+            != (last.free, last.free_by_lane, last.applied)
+            or self.driver.paused
+            or not self.engine.has_unfinished()
+        ):
+            return True
+        return any(
+            not isinstance(output, list)
+            or any(d.finished or d.completion_tokens == len(d.new_token_ids) for d in output)
+            for output in self._held
+        )
+
+    def _send(self, conn: Connection) -> None:
+        """The outputs held, in the order the engine made them, and the latest snapshot."""
+        self._last = state = self.driver.state
+        conn.send((_wire(self._held), state))
+        self._held = []
+        self._sent_at = time.monotonic()
 
     def _receive(self, conn: Connection) -> None:
         """Take every command waiting in the pipe (the driver applies them before its
