@@ -414,7 +414,8 @@ def test_a_take_that_emptied_the_queues_is_not_repeated_until_a_doorbell_rings(
 ) -> None:
     # A slot freed at the end of a step used to run a TAKE that found nothing, beside the
     # publish of that step's tokens. New entries still come in: a submit rings the
-    # doorbell, and an entry added without one is taken once a block has passed.
+    # doorbell, and an entry added without one is still taken (a doorbell lost with a
+    # restarted Redis must not stall the intake).
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = client.redis
     worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
@@ -426,7 +427,7 @@ def test_a_take_that_emptied_the_queues_is_not_repeated_until_a_doorbell_rings(
         return entries
 
     worker.scripts.take = counted  # type: ignore[method-assign]
-    block = 0.3
+    block = 2.0  # long: the passes below must not see a block pass on a slow machine
     client.submit_many([make_request("first", max_tokens=2, **GREEDY)])
     worker._admit(block)
     assert taken == [1]
@@ -440,7 +441,7 @@ def test_a_take_that_emptied_the_queues_is_not_repeated_until_a_doorbell_rings(
     started = time.monotonic()
     while sum(taken) < 3:
         worker._admit(block)
-        assert time.monotonic() - started < 4 * block, taken
+        assert time.monotonic() - started < 10, taken
 
 
 def test_a_live_worker_keeps_its_long_job_from_other_workers(
