@@ -38,7 +38,7 @@ from tokenq.producer.client import Client, make_request
 from tokenq.producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
 from tokenq.worker.cli import build_parser, worker_kwargs
 from tokenq.worker.logs import configure_logging
-from tokenq.worker.loop import Worker
+from tokenq.worker.loop import EMPTIED_FOR_BLOCKS, Worker
 from tokenq.worker.split import make_worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -413,9 +413,9 @@ def test_a_take_that_emptied_the_queues_is_not_repeated_until_a_doorbell_rings(
     redis_namespace: str,
 ) -> None:
     # A slot freed at the end of a step used to run a TAKE that found nothing, beside the
-    # publish of that step's tokens. New entries still come in: a submit rings the
-    # doorbell, and an entry added without one is still taken (a doorbell lost with a
-    # restarted Redis must not stall the intake).
+    # publish of that step's tokens, and an idle worker ran one after every doorbell wait.
+    # New entries still come in: a submit rings the doorbell, and an entry added without
+    # one (against the protocol) is found once the TAKE's answer is some blocks old.
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = client.redis
     worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
@@ -427,7 +427,7 @@ def test_a_take_that_emptied_the_queues_is_not_repeated_until_a_doorbell_rings(
         return entries
 
     worker.scripts.take = counted  # type: ignore[method-assign]
-    block = 2.0  # long: the passes below must not see a block pass on a slow machine
+    block = 2.0  # long: the passes below must not see the TAKE's answer expire
     client.submit_many([make_request("first", max_tokens=2, **GREEDY)])
     worker._admit(block)
     assert taken == [1]
@@ -436,12 +436,19 @@ def test_a_take_that_emptied_the_queues_is_not_repeated_until_a_doorbell_rings(
     client.submit_many([make_request("second", max_tokens=2, **GREEDY)])
     worker._admit(block)
     assert taken == [1, 1]
+    worker._admit(block)  # the second submit's doorbell: now all doorbells are read
+    block = 0.05
+    worker._admit(block)  # finds nothing, then waits a block for a doorbell
+    assert taken == [1, 1, 0]
     fields = {"v": "2", "id": "no-bell", "data": pack({"prompt": "third", "max_tokens": 2})}
     add_raw(conn, worker.keys, fields)  # as a producer that rings no doorbell
     started = time.monotonic()
     while sum(taken) < 3:
         worker._admit(block)
         assert time.monotonic() - started < 10, taken
+    # Doorbell waits, not TAKEs, until the empty answer was EMPTIED_FOR_BLOCKS blocks old.
+    assert taken == [1, 1, 0, 1]
+    assert time.monotonic() - started >= (EMPTIED_FOR_BLOCKS - 2) * block
 
 
 def test_a_live_worker_keeps_its_long_job_from_other_workers(

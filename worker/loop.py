@@ -85,6 +85,11 @@ QUIET_PUBLISH_S = 0.25
 # rest are made ready, and they join it between two layers, instead of all waiting for
 # the slowest.
 START_CHUNK = 16
+# A TAKE that emptied the lanes is believed for this many blocks (1 s by default) unless a
+# doorbell rings: an idle worker asks its queues once a second instead of after every
+# doorbell wait, and an entry a producer added without ringing (against the protocol) is
+# still found within that.
+EMPTIED_FOR_BLOCKS = 10
 
 
 @dataclass
@@ -186,8 +191,8 @@ class Worker:
         self._replay = True  # first, own pending entries a previous process left
         self._turn = 0  # rotates which tenant a TAKE serves first
         self._bells = dict.fromkeys(c.served_names, b"0-0")  # last doorbell seen per model
-        # The lanes the last TAKE emptied, believed empty until a doorbell rings or a block
-        # passes (a doorbell lost with a restarted Redis must not stall the intake).
+        # The lanes the last TAKE emptied, and until when that is believed without a
+        # doorbell (EMPTIED_FOR_BLOCKS).
         self._emptied: tuple[bool, ...] = (False, False, False)
         self._emptied_until = 0.0
         self._next_claim = 0.0
@@ -360,14 +365,15 @@ class Worker:
             taken = self.scripts.take(c.served_names, slots, waits, self._turn)
             # Each entry taken uses a slot of every lane: a lane left with slots was emptied.
             self._emptied = tuple(n > len(taken) for n in slots)
-            self._emptied_until = time.monotonic() + block
+            self._emptied_until = time.monotonic() + EMPTIED_FOR_BLOCKS * block
         if taken:
             self._take(taken)
         elif block and max(slots) > 0:
             bells = {self.keys.bell(name): last for name, last in self._bells.items()}
             started = time.monotonic()
             resp = self.redis.xread(bells, count=1, block=max(1, int(block * 1000)))
-            self._emptied_until = 0.0  # a doorbell rang, or a block passed: take again
+            if resp:
+                self._emptied_until = 0.0  # a doorbell rang: take again
             for key, entries in resp or []:
                 name = key.decode().removeprefix(self.keys.bell(""))
                 self._bells[name] = entries[-1][0]
@@ -379,9 +385,10 @@ class Worker:
             self.driver.freed.clear()
 
     def _all_emptied(self, slots: list[int]) -> bool:
-        """Whether every lane with free slots was emptied by the last TAKE and no doorbell
-        has rung since: a slot freed at the end of a step then takes nothing, and the TAKE
-        it would have run collided with that step's publish (the first tokens of a burst)."""
+        """Whether every lane with free slots was emptied by the last TAKE, not long ago,
+        and no doorbell has rung since: a slot freed at the end of a step then takes
+        nothing (that TAKE collided with the publish of the step's tokens: a burst's first
+        ones), nor does a doorbell wait that ends without a ring."""
         if time.monotonic() >= self._emptied_until:
             return False
         return all(empty or n == 0 for n, empty in zip(slots, self._emptied, strict=True))
