@@ -174,8 +174,9 @@ class EngineHost:
                     if readable(0.05 if idle else 0.0):
                         self._receive(conn)
                     driver.pump()
-                    self._held += _drain(driver)
-                    if self._due():
+                    outputs = _drain(driver)
+                    self._held += outputs
+                    if self._due(outputs):
                         self._send(conn)
             except (EOFError, OSError):
                 pass  # the queue process ended: it has published and handed back what it held
@@ -206,13 +207,15 @@ class EngineHost:
             return False  # the queue process ended: run() sees it after this step
         return ran
 
-    def _due(self) -> bool:
-        """Whether to send what the steps since the last send produced. Each write wakes
-        the queue process's reader and costs this thread about 0.14 ms on a VM, more than
-        a tiny model's step takes to decode one token for a few jobs, so running jobs'
-        tokens are sent at most once a stream interval (the queue process publishes
-        them no more often). At once: a first token, an end, a refusal or failure, a
-        change in what the engine admits, and everything before the engine idles."""
+    def _due(self, outputs: list[Any]) -> bool:
+        """Whether to send what the steps since the last send produced (`outputs`: the
+        latest step's, the only ones not looked at yet; the earlier ones were not urgent).
+        Each write wakes the queue process's reader and costs this thread about 0.14 ms on
+        a VM, more than a tiny model's step takes to decode one token for a few jobs, so
+        running jobs' tokens are sent at most once a stream interval (the queue process
+        publishes them no more often). At once: a first token, an end, a refusal or
+        failure, a change in what the engine admits, and everything before the engine
+        idles."""
         state, last = self.driver.state, self._last
         if not self._held and state is last:  # a snapshot is replaced whole on a change
             return False
@@ -228,7 +231,7 @@ class EngineHost:
         return any(
             not isinstance(output, list)
             or any(d.finished or d.completion_tokens == len(d.new_token_ids) for d in output)
-            for output in self._held
+            for output in outputs
         )
 
     def _send(self, conn: Connection) -> None:
