@@ -86,7 +86,7 @@ class IncrementalDetokenizer:
 class OutputState:
     """A request's text so far, and how much of it and of its tokens was sent."""
 
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: no text wanted (detokenize=False)
     text: str = ""
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
@@ -103,6 +103,8 @@ class OutputProcessor:
     def add_request(self, seq: Sequence) -> None:
         self.states[seq.request_id] = OutputState(
             IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+            if seq.params.detokenize
+            else None
         )
 
     def add_token(
@@ -118,6 +120,8 @@ class OutputProcessor:
         state = self.states[seq.request_id]
         if logprobs is not None:
             state.logprobs.append(logprobs)
+        if state.detokenizer is None:
+            return False  # no text, so no stop strings (SamplingParams refuses them)
         state.text += state.detokenizer.push([token])
         if not (find_stop and seq.params.stop):
             return False
@@ -136,7 +140,8 @@ class OutputProcessor:
     def flush(self, seq: Sequence) -> None:
         """The request ends: add the bytes of a character its output ended inside."""
         state = self.states[seq.request_id]
-        state.text += state.detokenizer.flush()
+        if state.detokenizer is not None:
+            state.text += state.detokenizer.flush()
 
     def finish(self, seq: Sequence) -> RequestDelta:
         """The last delta of a finished request (all its text), forgetting it."""

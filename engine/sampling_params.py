@@ -39,7 +39,9 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy. ``max_tokens=None`` runs to the model's context limit.
     ``logprobs=n`` returns the top-n log-probabilities (of the model's raw distribution) for
-    every generated token, with the sampled token always included.
+    every generated token, with the sampled token always included. ``detokenize=False``
+    returns token ids only, the text left empty (as vLLM's): a caller that decodes them
+    elsewhere spares the engine's thread that work. Stop strings need the text.
 
     Every number must be finite (NaN and infinities are refused by name) and within:
 
@@ -73,6 +75,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -121,6 +124,10 @@ class SamplingParams:
             raise _bad("ignore_eos", "must be a boolean")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise _bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.detokenize, bool):
+            raise _bad("detokenize", "must be a boolean")
+        if self.stop and not self.detokenize:
+            raise _bad("stop", "stop strings need detokenize=True (they are found in the text)")
         if not isinstance(self.stop_token_ids, list) or not are_token_ids(self.stop_token_ids):
             raise _bad("stop_token_ids", "must be a list of non-negative token ids")
         if not isinstance(self.logit_bias, dict):

@@ -40,6 +40,7 @@ SAMPLING_PARAMS = frozenset(
         "repetition_penalty",
         "logprobs",
         "logit_bias",
+        "detokenize",
     }
 )
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")

@@ -173,6 +173,21 @@ def test_logprobs_report_the_top_tokens_and_the_sampled_one(tiny_dir: Path):
         assert max(top.values()) == top[token] <= 0.0
 
 
+def test_without_detokenize_the_tokens_are_the_same_and_the_text_empty(tiny_dir: Path):
+    reqs = prompts(3)
+    sampled = SamplingParams(temperature=1.0, seed=7, ignore_eos=True, max_tokens=12)
+    with_text = run(make_engine(tiny_dir), reqs, sampled)
+    engine = make_engine(tiny_dir)
+    for i, p in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=_with(sampled, detokenize=False))
+    outs = [out for _ in range(13) for out in engine.step()]
+    assert not engine.has_unfinished()
+    assert {o.request_id: o.token_ids for o in outs if o.finished} == with_text
+    assert {(o.new_text, o.text) for o in outs} == {("", None), ("", "")}
+    with pytest.raises(InvalidRequest, match="stop strings need detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_abort_frees_blocks_and_reports_cancelled(tiny_dir: Path):
     engine = make_engine(tiny_dir)
     engine.add_request("x", prompt_token_ids=prompts(1, (50,))[0], params=GREEDY)

@@ -16,7 +16,7 @@ import pytest
 import redis
 import structlog
 
-from tests.helpers import make_tiny_llama_dir
+from tests.helpers import default_tokenizer, make_tiny_llama_dir
 from tests.redis_fixtures import CLIENT
 from tests.test_worker_support import (
     WorkerThread,
@@ -34,16 +34,20 @@ from tests.test_worker_support import (
     wait_for,
 )
 from tokenq import cli
+from tokenq.engine import SamplingParams
+from tokenq.engine.outputs import RequestDelta
 from tokenq.producer.client import Client, make_request
 from tokenq.producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
 from tokenq.worker.cli import build_parser, worker_kwargs
+from tokenq.worker.driver import Add, Failed, Refused
 from tokenq.worker.logs import configure_logging
 from tokenq.worker.loop import EMPTIED_FOR_BLOCKS, Worker
-from tokenq.worker.split import make_worker
+from tokenq.worker.split import NOT_SENT, Detokenizing, make_worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+BYTE_C3, BYTE_A9 = 142, 119  # the default tokenizer's tokens of these single bytes
 
 
 def reply_events(conn: redis.Redis, keys: Keys, job_id: str) -> list:
@@ -546,6 +550,91 @@ def test_a_stream_interval_sends_first_tokens_at_once_and_the_rest_in_chunks(
         assert len(tokens[0].token_ids) <= 3
         assert len(tokens) < 200 / 4  # the rest in chunks of several steps
     client.close()
+
+
+def test_the_queue_process_decodes_the_text_of_jobs_without_stop_strings(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    sampled = {"max_tokens": 60, "temperature": 1.0, "ignore_eos": True}
+    requests = [{"prompt": f"decode {i}", "params": {**sampled, "seed": i}} for i in range(2)]
+    # Byte tokens 0xC3 and 0xA9 at random: "é" when they come in that order, an invalid
+    # byte (U+FFFD) otherwise; a character is always split across two steps, and its first
+    # byte's text must wait for the second's, as in the engine.
+    bytes_only = {"temperature": 3.0, "logit_bias": {BYTE_C3: 98, BYTE_A9: 100}}
+    requests.append({"prompt": "decode 2", "params": {**sampled, "seed": 2, **bytes_only}})
+    plain_text = reference_run(tiny_model, requests[:1])[0][1].text
+    # A stop string from the middle of job 0's text: that job ends there, in the engine.
+    requests.append({"prompt": "decode 0", "params": {**sampled, "seed": 0}})
+    requests[-1]["params"]["stop"] = [plain_text[20:23]]
+    expected = [final for _, final in reference_run(tiny_model, requests)]
+    assert expected[-1].finish_reason == "stop" and len(expected[-1].text) <= 20
+    assert "é" in expected[2].text and "\ufffd" in expected[2].text
+
+    engine = make_engine(tiny_model)
+    decoded_in_engine: dict[str, bool] = {}
+    add_request = engine.output_processor.add_request
+
+    def spy(seq: Any) -> None:
+        decoded_in_engine[seq.request_id] = seq.params.detokenize
+        add_request(seq)
+
+    engine.output_processor.add_request = spy  # type: ignore[method-assign]
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    jobs = client.submit_many(make_request(r["prompt"], **r["params"]) for r in requests)
+    config = fast_config(redis_namespace, stream_interval_s=0.05)
+    with WorkerThread(make_worker(engine, redis_url, config, side="process")):
+        replies = [check_reply(list(job.stream(timeout=60))) for job in jobs]
+    for reply, final in zip(replies, expected, strict=True):
+        assert (reply.done.text, reply.done.token_ids) == (final.text, final.token_ids)
+        assert reply.done.finish_reason == final.finish_reason
+    assert [decoded_in_engine[job.id] for job in jobs] == [False, False, False, True]
+    client.close()
+
+
+class DecodesAllBut:
+    """A tokenizer that raises on one id."""
+
+    def __init__(self, bad: int) -> None:
+        self.tokenizer, self.bad = default_tokenizer(), bad
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.bad in ids:
+            raise ValueError("no text for this id")
+        return self.tokenizer.decode(ids, skip_special_tokens)
+
+
+def test_a_job_whose_text_fails_in_the_queue_process_ends_alone_with_an_error() -> None:
+    aborted: list[str] = []
+    texts = Detokenizing(DecodesAllBut(999), aborted.append)  # type: ignore[arg-type]
+    names = ["ok", "bad", "stops", "refused", "dropped"]
+    adds = [
+        Add(name, [1, 2], SamplingParams(stop=["."] if name == "stops" else []), 0, 0.0, None)
+        for name in names
+    ]
+    for add in adds:
+        texts.take(add)
+    assert [add.params.detokenize for add in adds] == [False, False, True, False, False]
+
+    def delta(job: str, ids: list[int], end: str | None = None, text: str = "") -> RequestDelta:
+        return RequestDelta(job, ids, text, end is not None, end, 2, len(ids), NOT_SENT)
+
+    hello = default_tokenizer().encode("Hello there")
+    ok, bad = texts.output([delta("ok", hello[:1]), delta("bad", [999])])  # type: ignore[misc]
+    assert ok.new_text == "Hello"
+    assert (bad.finished, bad.finish_reason) == (True, "error") and "ValueError" in bad.error
+    assert aborted == ["bad"]
+    # Its outputs until the engine ends it (the abort) are dropped; the others go on.
+    later = texts.output([delta("bad", [5]), delta("ok", hello[1:], "length")])
+    assert [(d.request_id, d.new_text, d.text) for d in later] == [("ok", " there", "Hello there")]
+    assert texts.output([delta("bad", [], "cancelled")]) == []
+    # A job the engine refused or dropped is forgotten: were its id to come again, its
+    # text would be the engine's.
+    texts.output(Refused("refused", "invalid_params", "no"))
+    texts.output(Failed([], "the device is gone", ["dropped"]))
+    for job in ("refused", "dropped", "stops"):
+        assert texts.output([delta(job, [5], text="the engine's")])[0].new_text == "the engine's"
 
 
 def test_the_stream_interval_comes_from_a_flag_or_the_environment(

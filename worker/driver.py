@@ -56,10 +56,13 @@ class Refused:
 @dataclass
 class Failed:
     """A step failed for every request in it (`StepFailed`): the engine, not a job, is
-    broken. `outputs`: what the step had finished before (deadlines), still owed."""
+    broken. `outputs`: what the step had finished before (deadlines), still owed;
+    `dropped`: the requests the engine then dropped, without an output (the Redis side
+    hands their jobs back)."""
 
     outputs: list[RequestDelta]
     error: str
+    dropped: list[str]
 
 
 Output = list["RequestDelta"] | Refused | Failed
@@ -150,9 +153,10 @@ class EngineDriver(EngineView):
             except StepFailed as exc:
                 cause = exc.__cause__ or exc
                 error = clip(f"{type(cause).__name__}: {cause}", 300)
-                self.outputs.put(Failed(list(exc.outputs), error))
-                for job_id in list(self.engine.requests):
+                dropped = list(self.engine.requests)
+                for job_id in dropped:
                     self.engine.abort(job_id)  # handed back by the Redis side
+                self.outputs.put(Failed(list(exc.outputs), error, dropped))
             else:
                 if outputs:
                     self.outputs.put(outputs)
