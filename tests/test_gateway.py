@@ -295,7 +295,9 @@ def test_idempotency_key_runs_once(
     assert c.id != a.id
 
 
-def test_stream_reconnect_continues(gateway: GatewayProcess, client: Client) -> None:
+def test_stream_reconnect_continues(
+    gateway: GatewayProcess, client: Client, redis_conn: redis.Redis, namespace: str
+) -> None:
     key = f"resume-{uuid.uuid4().hex}"
     sdk = gateway.sdk(max_retries=0)
     args = {
@@ -309,7 +311,13 @@ def test_stream_reconnect_continues(gateway: GatewayProcess, client: Client) -> 
         if n == 5:
             break
     stream.close()  # the connection drops mid-generation
-    time.sleep(0.2)  # within the cancel grace: the job keeps running for the retry
+    # The retry comes once the gateway has seen the drop (it bookmarks the last event it
+    # sent), within the cancel grace: the job keeps running for it. (A retry that comes
+    # sooner, without Last-Event-ID, gets the stream from its start.)
+    deadline = time.monotonic() + 10
+    while not redis_conn.exists(f"{namespace}:gw:sent:{key}"):
+        assert time.monotonic() < deadline, "the gateway did not see the client leave"
+        time.sleep(0.01)
     again = sdk.completions.create(**args, extra_headers={"Idempotency-Key": key})
     rest = "".join(c.choices[0].text for c in again if c.choices)
     done = wait_done(client, key)
