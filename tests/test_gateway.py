@@ -301,9 +301,11 @@ def test_stream_reconnect_continues(
     key = f"resume-{uuid.uuid4().hex}"
     sdk = gateway.sdk(max_retries=0)
     args = {
-        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0,
         "stream": True, "extra_body": {"ignore_eos": True},
     }  # fmt: skip
+    # (max_tokens: long enough that the job runs on while the gateway sees the drop, on a
+    # fast host too)
     stream = sdk.completions.create(**args, extra_headers={"Idempotency-Key": key})
     first = ""
     for n, chunk in enumerate(stream):
@@ -330,7 +332,7 @@ def test_stream_resume_from_last_event_id(gateway: GatewayProcess, client: Clien
     body = {
         "model": MODEL,
         "prompt": "Hello",
-        "max_tokens": 24,
+        "max_tokens": 200,  # several events, however fast the host: one per stream interval
         "temperature": 0,
         "stream": True,
         "ignore_eos": True,
@@ -487,13 +489,14 @@ def test_queue_full_429(
     tmp_path: Path, redis_url: str, namespace: str, gateway: GatewayProcess, client: Client
 ) -> None:
     full = GatewayProcess(
-        redis_url, namespace, tmp_path / "full.log", "--max-backlog", "1", "--retry-after", "7"
-    )
+        redis_url, namespace, tmp_path / "full.log", "--max-backlog", "1", "--retry-after", "7",
+        "--cancel-grace", str(GRACE),
+    )  # fmt: skip
     try:
         sdk = full.sdk(max_retries=0)
         key = f"hog-{uuid.uuid4().hex}"
         hog = sdk.completions.create(
-            model=MODEL, prompt="Go", max_tokens=1500, stream=True,
+            model=MODEL, prompt="Go", max_tokens=2000, stream=True,
             extra_body={"ignore_eos": True, "lane": "batch"},
             extra_headers={"Idempotency-Key": key},
         )  # fmt: skip
