@@ -332,6 +332,13 @@ def main(argv: list[str] | None = None) -> None:
         choices=REDIS_SIDES,
         help="where the worker's Redis side runs (tokenq worker --redis-side)",
     )
+    ap.add_argument(
+        "--direct-ids-only",
+        action="store_true",
+        help="run the engine directly with detokenize=False: in two processes the worker "
+        "decodes text beside the engine's thread, and this shows what the queue costs "
+        "beyond that",
+    )
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
@@ -340,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     interval = {"stream_interval_s": args.stream_interval, "redis_side": args.redis_side}
     params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.gen}
     warmup = {**params, "max_tokens": 2}  # every prefill shape once before measuring
+    direct_params = {**params, "detokenize": False} if args.direct_ids_only else params
     conn = connect(args.redis_url)
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     directs: list[RunResult] = []
@@ -349,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         run_direct(engine, workload.prompts, warmup)
         run_queue(engine, conn, namespace, workload.prompts, warmup, **interval)
         for _ in range(args.repeat):  # alternating, so drifting machine load hits both sides
-            directs.append(clock.time(lambda: run_direct(engine, workload.prompts, params)))
+            directs.append(clock.time(lambda: run_direct(engine, workload.prompts, direct_params)))
             queues.append(
                 clock.time(
                     lambda: run_queue(engine, conn, namespace, workload.prompts, params, **interval)
@@ -364,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{workload.name}, {engine.model_config.num_layers}-layer model on {engine.device}, "
         f"stream interval {args.stream_interval} s, the worker's Redis side "
         f"{args.redis_side}, best of {args.repeat}"
+        + (", the engine directly without decoding text" if args.direct_ids_only else "")
     )
     print(f"{'':<10}{'tok/s':>10}{'TTFT p50':>12}{'TTFT p99':>12}")
     for name, run in (("engine", direct), ("queue", queued)):
