@@ -34,6 +34,11 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 CLAIM_IDLE_MS = 1000
 
 
+# Tokens: a job still running when the test interrupts it, however fast the host (at 200 a
+# faster host had finished them before a SIGTERM's hand-back).
+LONG = 1000
+
+
 def worker_process(
     model: Path, url: str, namespace: str, tmp_path: Path, grace: float
 ) -> WorkerProcess:
@@ -90,7 +95,7 @@ def test_sigterm_past_the_grace_leaves_jobs_for_another_worker(
 ) -> None:
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = client.redis
-    jobs, requests = submit(client, 3, 200)
+    jobs, requests = submit(client, 3, LONG)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 0) as worker:
         wait_started(conn, client, jobs)
         worker.proc.send_signal(signal.SIGTERM)
@@ -111,7 +116,7 @@ def test_a_killed_worker_loses_no_job_and_duplicates_no_token(
 ) -> None:
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = client.redis
-    jobs, requests = submit(client, 3, 200)
+    jobs, requests = submit(client, 3, LONG)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 30) as worker:
         wait_started(conn, client, jobs)
         worker.kill()
@@ -173,7 +178,7 @@ def test_a_killed_engine_process_has_its_jobs_handed_back_at_once(
     pipe close, publishes what it had, hands the jobs back and exits."""
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = client.redis
-    jobs, requests = submit(client, 3, 200)
+    jobs, requests = submit(client, 3, LONG)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 30) as worker:
         wait_started(conn, client, jobs)
         queue_pid = worker.queue_pid()
@@ -195,7 +200,7 @@ def test_a_killed_queue_process_ends_the_worker_and_its_jobs_wait_for_another(
 ) -> None:
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn = client.redis
-    jobs, requests = submit(client, 3, 200)
+    jobs, requests = submit(client, 3, LONG)
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 30) as worker:
         wait_started(conn, client, jobs)
         os.kill(worker.queue_pid(), signal.SIGKILL)

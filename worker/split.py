@@ -117,6 +117,7 @@ class EngineHost:
         self.engine = engine
         self.driver = EngineDriver(engine)
         self.driver.between_layers = self._between_layers
+        self.driver.snapshot_each_step = False  # taken by `_send`
         self.redis_url = redis_url
         self.config = config
         self.logs = logs or LogSettings()
@@ -227,16 +228,17 @@ class EngineHost:
         a VM, more than a tiny model's step takes to decode one token for a few jobs, so
         running jobs' tokens are sent at most once a stream interval (the queue process
         publishes them no more often). At once: a first token, an end, a refusal or
-        failure, a change in what the engine admits, and everything before the engine
-        idles."""
-        state, last = self.driver.state, self._last
-        if not self._held and state is last:  # a snapshot is replaced whole on a change
+        failure, requests applied (what the engine admits changed), and everything before
+        the engine idles. Capacity that changes otherwise (blocks filling as replies grow,
+        a preemption) goes with the next send: the queue process may then take a job the
+        engine holds as waiting for a moment, never one it cannot hold."""
+        last, applied = self._last, self.driver.applied
+        if not self._held and last is not None and applied == last.applied:
             return False
         if (
             time.monotonic() - self._sent_at >= self.config.stream_interval_s
             or last is None
-            or (state.free, state.free_by_lane, state.applied)
-            != (last.free, last.free_by_lane, last.applied)
+            or applied != last.applied
             or self.driver.paused
             or not self.engine.has_unfinished()
         ):
@@ -248,7 +250,8 @@ class EngineHost:
         )
 
     def _send(self, conn: Connection) -> None:
-        """The outputs held, in the order the engine made them, and the latest snapshot."""
+        """The outputs held, in the order the engine made them, and a snapshot."""
+        self.driver.snapshot()
         self._last = state = self.driver.state
         conn.send((_wire(self._held), state))
         self._held = []
