@@ -431,6 +431,37 @@ def test_a_broken_entry_borrowing_a_queued_jobs_id_leaves_that_job_alone(
     client.close()
 
 
+def test_take_starts_fresh_jobs_itself_and_a_refused_one_keeps_no_owner_key(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    conn, keys = client.redis, client.keys
+    good = Run.submit(client, 3, 4)
+    # A broken entry under an id no job was submitted with: its own job's entry, so TAKE
+    # starts it too (taking the owner key); the worker refuses it, and lets the key go.
+    add_raw(conn, keys, wire({"data": b""}, "broken-own"))
+    worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
+    starts: list[int] = []
+    start = worker.scripts.start
+
+    def counted(*args: Any) -> Any:
+        starts.append(len(args[2]))
+        return start(*args)
+
+    worker.scripts.start = counted  # type: ignore[method-assign]
+    worker.run_once()
+    assert conn.exists(keys.owner("broken-own")) == 0
+    assert [d["code"] for d in dead_letters(conn, keys)] == [b"invalid_payload"]
+    assert all(conn.get(keys.owner(job.id)) == worker.fence for job in good.jobs)
+    with WorkerThread(worker):
+        wait_for(lambda: all(j.status() == "done" for j in good.jobs), timeout=30)
+    good.check(tiny_model)
+    assert starts == []  # fresh entries all: no START round trip
+    client.close()
+
+
 # -- smaller ones -------------------------------------------------------------------------
 
 

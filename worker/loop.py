@@ -362,7 +362,9 @@ class Worker:
         if max(slots) > 0 and not self._all_emptied(slots):
             self._turn += 1
             waits = [int(c.lane_max_wait_s.get(lane, 0) * 1000) for lane in LANES]
-            taken = self.scripts.take(c.served_names, slots, waits, self._turn)
+            taken = self.scripts.take(
+                c.served_names, slots, waits, self._turn, self.fence, c.running_reply_ttl_s
+            )
             # Each entry taken uses a slot of every lane: a lane left with slots was emptied.
             self._emptied = tuple(n > len(taken) for n in slots)
             self._emptied_until = time.monotonic() + EMPTIED_FOR_BLOCKS * block
@@ -461,7 +463,14 @@ class Worker:
             if candidates:
                 self._start(candidates)
         for delivery, rejection in rejected:
-            self._reject(delivery, rejection)
+            # TAKE took its job's owner key for it, and no other entry holds the job here.
+            release = (
+                delivery.started is not None
+                and delivery.started.verdict == "start"
+                and rejection.job_id not in starting
+                and rejection.job_id not in self.in_flight
+            )
+            self._reject(delivery, rejection, release=release)
 
     def _item(self, mode: str, delivery: Taken, job_id: str | None, **fields: Any) -> Item:
         """A PUBLISH item for an entry, with the backlog counter of its lane."""
@@ -478,11 +487,18 @@ class Worker:
         a worker that ran the job before either wrote before this read (and we see its
         tokens) or finds our fence in the owner key and writes nothing more. Then
         tokenize each prompt here, off the engine's thread, and hand the job over."""
-        results = self.scripts.start(
-            self.fence,
-            self.config.running_reply_ttl_s,
-            [(job.job_id, d.count == 1) for d, job in candidates],  # type: ignore[misc]
+        # TAKE started fresh entries' jobs itself; reclaimed and read-back ones start here.
+        unstarted = [(d.count == 1, job.job_id) for d, job in candidates if d.started is None]
+        answers = iter(
+            self.scripts.start(
+                self.fence,
+                self.config.running_reply_ttl_s,
+                [(jid, fresh) for fresh, jid in unstarted],  # type: ignore[misc]
+            )
+            if unstarted
+            else []
         )
+        results = [d.started or next(answers) for d, _ in candidates]
         adds: list[Add] = []
         for (delivery, job), res in zip(candidates, results, strict=True):
             jid = job.job_id

@@ -25,31 +25,41 @@ from redis.commands.core import Script
 
 from tokenq.producer.protocol import DONE, ERROR, RESTART, TOKEN, Event, Keys, pack
 
-# Start jobs: claim the owner key (fencing) and read what the reply stream already holds,
+# Start a job: claim the owner key (fencing) and read what the reply stream already holds,
 # in one step, unless the job is finished or (a fresh duplicate entry) runs elsewhere.
-#   KEYS: per job: job key, owner key, cancel key, reply key
-#   ARGV: token, owner ttl (s), then per job: "1" if this entry is a first delivery
-#   ->    per job: {verdict, cancelled, reply entries}; verdict is
-#         "finished" | "elsewhere" (another owner holds it) | "start" (owner key taken)
-START = """
-local token, ttl = ARGV[1], ARGV[2]
-local out = {}
-for i = 0, #KEYS / 4 - 1 do
-  local job, owner, cancel, reply = KEYS[4*i+1], KEYS[4*i+2], KEYS[4*i+3], KEYS[4*i+4]
+# Returns {verdict, cancelled, reply entries}; verdict is "finished" | "elsewhere" (another
+# owner holds it) | "start" (owner key taken). START runs it for entries a worker reclaimed
+# or read back; TAKE runs it itself for the fresh entries it hands out.
+START_JOB = """
+local function start_job(job, owner, cancel, reply, token, ttl, fresh)
   local status = redis.call('GET', job)
   local holder = redis.call('GET', owner)
   local cancelled = redis.call('EXISTS', cancel)
   if status == 'done' or status == 'error' then
-    out[i+1] = {'finished', cancelled, {}}
-  elseif holder and holder ~= token and ARGV[3+i] == '1' then
-    out[i+1] = {'elsewhere', cancelled, {}}
-  else
-    redis.call('SET', owner, token, 'EX', ttl)
-    out[i+1] = {'start', cancelled, redis.call('XRANGE', reply, '-', '+')}
+    return {'finished', cancelled, {}}
+  elseif holder and holder ~= token and fresh then
+    return {'elsewhere', cancelled, {}}
   end
+  redis.call('SET', owner, token, 'EX', ttl)
+  return {'start', cancelled, redis.call('XRANGE', reply, '-', '+')}
+end
+"""
+
+#   KEYS: per job: job key, owner key, cancel key, reply key
+#   ARGV: token, owner ttl (s), then per job: "1" if this entry is a first delivery
+#   ->    per job: start_job's answer
+START = (
+    START_JOB
+    + """
+local token, ttl = ARGV[1], ARGV[2]
+local out = {}
+for i = 0, #KEYS / 4 - 1 do
+  local k = 4 * i
+  out[i+1] = start_job(KEYS[k+1], KEYS[k+2], KEYS[k+3], KEYS[k+4], token, ttl, ARGV[3+i] == '1')
 end
 return out
 """
+)
 
 # Write reply events and settle job stream entries. Called once per engine step with every
 # job's share, so its arguments are compact: each item is one header argument followed by
@@ -257,18 +267,24 @@ end
 # priority (one per tenant), one entry per tenant in turn from a rotating start, so no
 # tenant's backlog holds up another's. Each take uses a slot of every lane. Queues left
 # empty are dropped from their model's set (a submit adds them back, atomically).
+# Each entry whose id field is a valid job id is started here too (start_job, as START:
+# one round trip less before a job reaches the engine), unless SUBMIT recorded another
+# entry for its job: one that borrows a queued job's id is left to the worker, which
+# refuses it without touching that job, or starts it with START if it is a valid job.
 #   ARGV: namespace, group, consumer, now (ms), free slots per lane (3), max wait per lane
-#         in ms (3; 0: never ages), round-robin offset, then the model names served
-#   ->    {stream, entry id, fields} per entry taken
+#         in ms (3; 0: never ages), round-robin offset, fencing token, owner ttl (s), then
+#         the model names served
+#   ->    {stream, entry id, fields, start_job's answer or false} per entry taken
 TAKE = (
     QUEUES
+    + START_JOB
     + """
 local ns, group, consumer, now = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local caps = {tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])}
 local max_wait = {tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])}
-local rr = tonumber(ARGV[11])
+local rr, token, ttl = tonumber(ARGV[11]), ARGV[12], ARGV[13]
 local names = {}
-for i = 12, #ARGV do names[#names + 1] = ARGV[i] end
+for i = 14, #ARGV do names[#names + 1] = ARGV[i] end
 
 local function read(q, count)
   local got = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', count,
@@ -358,6 +374,31 @@ for _, level in ipairs(levels) do
         if caps[q.lane] > 0 and take(q, 1) > 0 then next_round[#next_round + 1] = q end
       end
       open = next_round
+    end
+  end
+end
+
+-- The job id as the worker reads it (producer.protocol.JOB_ID_RE), or nil.
+local function job_id(fields)
+  for i = 1, #fields, 2 do
+    if fields[i] == 'id' then
+      local jid = fields[i + 1]
+      if #jid <= 128 and string.match(jid, '^[%w_][%w_.:%-]*$') then return jid end
+      return nil
+    end
+  end
+  return nil
+end
+
+for _, row in ipairs(out) do
+  local jid = job_id(row[3])
+  row[4] = false
+  if jid then
+    local k = ns .. ':'
+    local own = redis.call('GET', k .. 'entry:' .. jid)
+    if not own or own == row[1] .. ' ' .. row[2] then
+      row[4] = start_job(k .. 'job:' .. jid, k .. 'owner:' .. jid, k .. 'cancel:' .. jid,
+                         k .. 'reply:' .. jid, token, ttl, true)
     end
   end
 end
@@ -469,6 +510,7 @@ class Taken:
     entry_id: bytes
     fields: dict[bytes, bytes] | None  # None: trimmed from the stream while pending
     count: int = 1  # deliveries, this one included
+    started: StartResult | None = None  # TAKE started its job already (as START would)
 
 
 class Scripts:
@@ -497,15 +539,7 @@ class Scripts:
             for key in (k.job(jid), k.owner(jid), k.cancel(jid), k.reply(jid))
         ]
         args = [token, owner_ttl_s, *("1" if fresh else "0" for _, fresh in jobs)]
-        rows = self._start(keys=keys, args=args)
-        return [
-            StartResult(
-                verdict.decode(),
-                bool(cancelled),
-                [(eid, _pairs(fields)) for eid, fields in reply],
-            )
-            for verdict, cancelled, reply in rows
-        ]
+        return [_started(row) for row in self._start(keys=keys, args=args)]
 
     def take(
         self,
@@ -513,12 +547,18 @@ class Scripts:
         slots: Sequence[int],
         max_wait_ms: Sequence[int],
         turn: int,
+        token: bytes,
+        owner_ttl_s: int,
     ) -> list[Taken]:
-        """Entries for the free slots of each lane (interactive, default, batch); see TAKE."""
+        """Entries for the free slots of each lane (interactive, default, batch), each with
+        its job started as `start` would (unless its id field is not a job id); see TAKE."""
         args: list[Any] = [self.keys.namespace, self.group, self.consumer]
-        args += [int(time.time() * 1000), *slots, *max_wait_ms, turn, *names]
-        rows = self._take(args=args)
-        return [Taken(stream, eid, _pairs(fields)) for stream, eid, fields in rows]
+        args += [int(time.time() * 1000), *slots, *max_wait_ms, turn, token, owner_ttl_s]
+        rows = self._take(args=[*args, *names])
+        return [
+            Taken(stream, eid, _pairs(fields), started=_started(start) if start else None)
+            for stream, eid, fields, start in rows
+        ]
 
     def reclaim(self, names: Sequence[str], idle_ms: int, most: int) -> list[Taken]:
         args = [self.keys.namespace, self.group, self.consumer, idle_ms, most, *names]
@@ -614,3 +654,11 @@ def _head(
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def _started(row: list[Any]) -> StartResult:
+    """start_job's answer."""
+    verdict, cancelled, reply = row
+    return StartResult(
+        verdict.decode(), bool(cancelled), [(eid, _pairs(fields)) for eid, fields in reply]
+    )
