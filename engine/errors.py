@@ -20,6 +20,11 @@ def clip(text: str, limit: int = CLIP_CHARS) -> str:
     return f"{text[:limit]}... ({len(text)} chars)"
 
 
+def describe(exc: BaseException) -> str:
+    """An exception as a short message for a client: its type and its (clipped) text."""
+    return clip(f"{type(exc).__name__}: {exc}")
+
+
 class InvalidRequest(ValueError):
     """A request the engine refuses before it runs; ``code`` is what clients match on."""
 

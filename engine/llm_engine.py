@@ -21,7 +21,7 @@ import torch
 from tokenq.engine.attention import AttentionBackend
 from tokenq.engine.block_manager import BlockManager
 from tokenq.engine.config import EngineConfig
-from tokenq.engine.errors import InvalidRequest, StepFailed, clip
+from tokenq.engine.errors import InvalidRequest, StepFailed, clip, describe
 from tokenq.engine.loader import load_checkpoint, resolve_model
 from tokenq.engine.model_runner import ModelRunner
 from tokenq.engine.output_processor import OutputProcessor
@@ -296,7 +296,7 @@ class LLMEngine:
         if len(culprits) == len(batch) > 1:
             raise StepFailed(
                 f"the forward pass failed for each of its {len(batch)} requests alone: "
-                f"{_describe(first_error)}",
+                f"{describe(first_error)}",
                 finished,
             ) from first_error
         return ran, culprits
@@ -350,7 +350,7 @@ class LLMEngine:
         """End one request whose own processing raised (no flush: the detokenizer may be
         what raised); the step goes on without it."""
         logger.warning("request %s failed", seq.request_id, exc_info=exc)
-        seq.error = _describe(exc)
+        seq.error = describe(exc)
         return self._finish(seq, "error", RequestState.FAILED, flush=False)
 
     def _finish(
@@ -371,8 +371,3 @@ class LLMEngine:
         now = time.monotonic()
         late = [s for s in self.requests.values() if s.deadline is not None and now >= s.deadline]
         return [self._finish(s, "deadline", RequestState.CANCELLED) for s in late]
-
-
-def _describe(exc: BaseException) -> str:
-    """An exception as a short message for a client: its type and its (clipped) text."""
-    return clip(f"{type(exc).__name__}: {exc}")

@@ -488,13 +488,9 @@ class Worker:
         tokens) or finds our fence in the owner key and writes nothing more. Then
         tokenize each prompt here, off the engine's thread, and hand the job over."""
         # TAKE started fresh entries' jobs itself; reclaimed and read-back ones start here.
-        unstarted = [(d.count == 1, job.job_id) for d, job in candidates if d.started is None]
+        unstarted = [(job.job_id, d.count == 1) for d, job in candidates if d.started is None]
         answers = iter(
-            self.scripts.start(
-                self.fence,
-                self.config.running_reply_ttl_s,
-                [(jid, fresh) for fresh, jid in unstarted],  # type: ignore[misc]
-            )
+            self.scripts.start(self.fence, self.config.running_reply_ttl_s, unstarted)  # type: ignore[arg-type]
             if unstarted
             else []
         )

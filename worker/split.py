@@ -41,14 +41,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import redis
 import structlog
 
-from tokenq.engine.errors import clip
+from tokenq.engine.errors import describe
 from tokenq.engine.output_processor import IncrementalDetokenizer
 from tokenq.engine.outputs import RequestDelta
 from tokenq.engine.sequence import RequestMetrics
@@ -390,20 +390,18 @@ class Detokenizing:
         if not delta.finished:
             self._jobs[jid] = None
             self._abort(jid)
-        error = clip(f"{type(exc).__name__}: {exc}")
+        error = describe(exc)  # the message the engine gives a job that fails alone
         structlog.get_logger("tokenq.worker").warning(
             "decoding a job's tokens failed", job_id=jid, error=error
         )
-        return RequestDelta(
-            jid,
-            delta.new_token_ids,
-            "",
-            True,
-            "error",
-            delta.prompt_tokens,
-            delta.completion_tokens,
-            delta.metrics,
+        return replace(
+            delta,
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            logprobs=None,
             text=detokenizer.text,
+            token_ids=None,
             error=error,
         )
 
