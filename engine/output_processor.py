@@ -41,7 +41,9 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids or [])[-_PROMPT_CONTEXT_TOKENS:]
         self._read = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
+        # The prompt's tail decoded at the first push, not here: a detokenizer is made as
+        # its request is admitted, and a burst's admission is on the way to its first step.
+        self._prefix_text: str | None = None
         self._pieces: list[str] = []
 
     @property
@@ -51,27 +53,34 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Add generated ids; return the text they completed (possibly "")."""
+        prefix = self._prefix()
         out = []
         for token_id in token_ids:
             self._ids.append(token_id)
             new_text = self._decode(self._ids)
-            if len(new_text) > len(self._prefix_text) and not new_text.endswith(_REPLACEMENT_CHAR):
-                out.append(new_text[len(self._prefix_text) :])
-                self._advance()
+            if len(new_text) > len(prefix) and not new_text.endswith(_REPLACEMENT_CHAR):
+                out.append(new_text[len(prefix) :])
+                prefix = self._advance()
         return self._emit("".join(out))
 
     def flush(self) -> str:
         """At the end of generation: emit what is still held back, even an incomplete char
         (as U+FFFD, exactly as a full decode renders it)."""
-        delta = self._decode(self._ids)[len(self._prefix_text) :]
+        delta = self._decode(self._ids)[len(self._prefix()) :]
         self._advance()
         return self._emit(delta)
 
-    def _advance(self) -> None:
+    def _prefix(self) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[: self._read])
+        return self._prefix_text
+
+    def _advance(self) -> str:
         # The ids before `_read` are never decoded again: drop them, keeping the window small.
         del self._ids[: self._read]
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids)
+        return self._prefix_text
 
     def _emit(self, delta: str) -> str:
         if delta:
