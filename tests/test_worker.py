@@ -17,7 +17,7 @@ import redis
 import structlog
 
 from tests.helpers import default_tokenizer, make_tiny_llama_dir
-from tests.redis_fixtures import CLIENT
+from tests.redis_fixtures import CLIENT, TEST_MODEL
 from tests.test_worker_support import (
     WorkerThread,
     add_raw,
@@ -42,6 +42,7 @@ from tokenq.worker.cli import build_parser, worker_kwargs
 from tokenq.worker.driver import Add, Failed, Refused
 from tokenq.worker.logs import configure_logging
 from tokenq.worker.loop import EMPTIED_FOR_BLOCKS, Worker
+from tokenq.worker.scripts import Scripts, TakeResult
 from tokenq.worker.split import NOT_SENT, Detokenizing, make_worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -411,13 +412,14 @@ def test_a_worker_holds_no_more_jobs_than_its_engine_admits(
     assert 2 <= max(held) <= 4, held
 
 
-def test_a_take_that_emptied_the_queues_is_not_repeated_until_a_doorbell_rings(
+def test_a_take_that_drained_the_queues_is_not_repeated_until_a_doorbell_rings(
     tiny_model: Path,  # noqa: F811
     redis_url: str,
     redis_namespace: str,
 ) -> None:
     # A slot freed at the end of a step used to run a TAKE that found nothing, beside the
-    # publish of that step's tokens, and an idle worker ran one after every doorbell wait.
+    # publish of that step's tokens, and an idle worker ran one after every doorbell wait
+    # (and after the first wait that read the ring of a submit TAKE had already served).
     # New entries still come in: a submit rings the doorbell, and an entry added without
     # one (against the protocol) is found once the TAKE's answer is some blocks old.
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
@@ -425,34 +427,65 @@ def test_a_take_that_emptied_the_queues_is_not_repeated_until_a_doorbell_rings(
     worker = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace))
     take, taken = worker.scripts.take, []
 
-    def counted(*args: Any) -> list:
-        entries = take(*args)
-        taken.append(len(entries))
-        return entries
+    def counted(*args: Any) -> TakeResult:
+        result = take(*args)
+        taken.append(len(result.taken))
+        return result
 
     worker.scripts.take = counted  # type: ignore[method-assign]
-    block = 2.0  # long: the passes below must not see the TAKE's answer expire
     client.submit_many([make_request("first", max_tokens=2, **GREEDY)])
-    worker._admit(block)
-    assert taken == [1]
-    worker._admit(block)  # reads the first submit's doorbell instead of the emptied queue
+    worker._admit(2.0)
     assert taken == [1]
     client.submit_many([make_request("second", max_tokens=2, **GREEDY)])
+    started = time.monotonic()
+    worker._admit(2.0)  # the second submit's doorbell, not a TAKE of the drained queue
+    assert taken == [1]
+    assert time.monotonic() - started < 1.0  # a ring TAKE had not seen: no wait
+    block = 0.05  # from here: the TAKE's answer expires after EMPTIED_FOR_BLOCKS of these
     worker._admit(block)
     assert taken == [1, 1]
-    worker._admit(block)  # the second submit's doorbell: now all doorbells are read
-    block = 0.05
-    worker._admit(block)  # finds nothing, then waits a block for a doorbell
-    assert taken == [1, 1, 0]
+    started = time.monotonic()
+    worker._admit(block)  # that TAKE saw the second ring: this waits for a newer one
+    assert taken == [1, 1]
+    assert time.monotonic() - started >= block * 0.9
     fields = {"v": "2", "id": "no-bell", "data": pack({"prompt": "third", "max_tokens": 2})}
     add_raw(conn, worker.keys, fields)  # as a producer that rings no doorbell
     started = time.monotonic()
     while sum(taken) < 3:
         worker._admit(block)
         assert time.monotonic() - started < 10, taken
-    # Doorbell waits, not TAKEs, until the empty answer was EMPTIED_FOR_BLOCKS blocks old.
-    assert taken == [1, 1, 0, 1]
-    assert time.monotonic() - started >= (EMPTIED_FOR_BLOCKS - 2) * block
+    # Doorbell waits, not TAKEs, until the TAKE's answer was EMPTIED_FOR_BLOCKS blocks old.
+    assert taken == [1, 1, 1]
+    assert time.monotonic() - started >= (EMPTIED_FOR_BLOCKS - 3) * block
+
+
+def test_take_says_which_lanes_it_drained_and_the_doorbell_ring_it_saw(
+    redis_url: str, redis_namespace: str
+) -> None:
+    # A TAKE that fills its slots exactly has drained the queue when it took the newest
+    # entry: the worker then asks again only after a newer ring, not when a slot frees.
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    conn, keys = client.redis, Keys(redis_namespace)
+    config = fast_config(redis_namespace)
+    scripts = Scripts(conn, keys, config.group, config.consumer)
+
+    def take(slots: int) -> TakeResult:
+        return scripts.take([TEST_MODEL], [slots] * 3, [0, 0, 0], 1, b"fence", 60)
+
+    client.submit_many([make_request(f"job {i}", max_tokens=2) for i in range(3)])
+    ring = conn.xrevrange(keys.bell(TEST_MODEL), count=1)[0][0]
+    first = take(2)
+    assert len(first.taken) == 2
+    assert first.drained == (True, False, True)  # one default job left; no other lanes
+    assert first.rings == {TEST_MODEL: ring}
+    second = take(1)
+    assert len(second.taken) == 1
+    assert second.drained == (True, True, True)  # took the newest entry: drained
+    client.submit_many([make_request(f"batch {i}", max_tokens=2, priority=5) for i in range(2)])
+    third = take(1)
+    assert len(third.taken) == 1
+    assert third.drained == (True, True, False)  # a batch job is left
+    assert third.rings[TEST_MODEL] > ring
 
 
 def test_a_live_worker_keeps_its_long_job_from_other_workers(

@@ -191,7 +191,7 @@ class Worker:
         self._replay = True  # first, own pending entries a previous process left
         self._turn = 0  # rotates which tenant a TAKE serves first
         self._bells = dict.fromkeys(c.served_names, b"0-0")  # last doorbell seen per model
-        # The lanes the last TAKE emptied, and until when that is believed without a
+        # The lanes the last TAKE drained, and until when that is believed without a
         # doorbell (EMPTIED_FOR_BLOCKS).
         self._emptied: tuple[bool, ...] = (False, False, False)
         self._emptied_until = 0.0
@@ -362,11 +362,13 @@ class Worker:
         if max(slots) > 0 and not self._all_emptied(slots):
             self._turn += 1
             waits = [int(c.lane_max_wait_s.get(lane, 0) * 1000) for lane in LANES]
-            taken = self.scripts.take(
+            result = self.scripts.take(
                 c.served_names, slots, waits, self._turn, self.fence, c.running_reply_ttl_s
             )
-            # Each entry taken uses a slot of every lane: a lane left with slots was emptied.
-            self._emptied = tuple(n > len(taken) for n in slots)
+            taken = result.taken
+            # The doorbell rings it saw are answered: the wait below is for newer ones.
+            self._bells.update(result.rings)
+            self._emptied = result.drained
             self._emptied_until = time.monotonic() + EMPTIED_FOR_BLOCKS * block
         if taken:
             self._take(taken)
@@ -387,10 +389,11 @@ class Worker:
             self.driver.freed.clear()
 
     def _all_emptied(self, slots: list[int]) -> bool:
-        """Whether every lane with free slots was emptied by the last TAKE, not long ago,
-        and no doorbell has rung since: a slot freed at the end of a step then takes
-        nothing (that TAKE collided with the publish of the step's tokens: a burst's first
-        ones), nor does a doorbell wait that ends without a ring."""
+        """Whether every lane with free slots was drained by the last TAKE, not long ago,
+        and no doorbell has rung since (TAKE says which rings it saw): a slot freed at the
+        end of a step then takes nothing (that TAKE collided with the publish of the
+        step's tokens: a burst's first ones, when the burst filled the slots exactly), nor
+        does a doorbell wait that ends without a ring."""
         if time.monotonic() >= self._emptied_until:
             return False
         return all(empty or n == 0 for n, empty in zip(slots, self._emptied, strict=True))

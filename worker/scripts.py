@@ -274,7 +274,11 @@ end
 #   ARGV: namespace, group, consumer, now (ms), free slots per lane (3), max wait per lane
 #         in ms (3; 0: never ages), round-robin offset, fencing token, owner ttl (s), then
 #         the model names served
-#   ->    {stream, entry id, fields, start_job's answer or false} per entry taken
+# It also says what the worker may believe until a doorbell rings: which lanes it drained
+# (their queues hold nothing more to deliver), and the last ring of each model's doorbell,
+# whose submits this take has seen.
+#   ->    {{stream, entry id, fields, start_job's answer or false} per entry taken,
+#          '1' or '0' per lane (drained), the last ring's id per model ('' for none)}
 TAKE = (
     QUEUES
     + START_JOB
@@ -358,6 +362,8 @@ local function take(q, n)
     out[#out + 1] = {q.key, entry[1], entry[2]}
     for l = 1, 3 do caps[l] = math.max(0, caps[l] - 1) end
   end
+  q.short = #got < n  -- the last read found no more
+  if #got > 0 then q.last = got[#got][1] end
   return #got
 end
 
@@ -376,6 +382,24 @@ for _, level in ipairs(levels) do
       open = next_round
     end
   end
+end
+
+-- A queue is drained when its last read came up short, or ended at its newest entry.
+local drained = {1, 1, 1}
+for _, qs in ipairs({live, aged}) do
+  for _, q in ipairs(qs) do
+    local done = q.short
+    if not done and q.last then
+      local top = redis.call('XREVRANGE', q.key, '+', '-', 'COUNT', 1)
+      done = top[1] ~= nil and top[1][1] == q.last
+    end
+    if not done then drained[q.lane] = 0 end
+  end
+end
+local rings = {}
+for i, model in ipairs(names) do
+  local top = redis.call('XREVRANGE', ns .. ':bell:' .. model, '+', '-', 'COUNT', 1)
+  rings[i] = top[1] and top[1][1] or ''
 end
 
 -- The job id as the worker reads it (producer.protocol.JOB_ID_RE), or nil.
@@ -402,7 +426,7 @@ for _, row in ipairs(out) do
     end
   end
 end
-return out
+return {out, table.concat(drained), rings}
 """
 )
 
@@ -513,6 +537,15 @@ class Taken:
     started: StartResult | None = None  # TAKE started its job already (as START would)
 
 
+@dataclass
+class TakeResult:
+    """What TAKE handed this worker, and what it saw of the queues while doing so."""
+
+    taken: list[Taken]
+    drained: tuple[bool, bool, bool]  # per lane: its queues hold nothing more to deliver
+    rings: dict[str, bytes]  # per model served: its doorbell's last ring, if it has one
+
+
 class Scripts:
     """The worker's scripts bound to one connection, namespace and consumer."""
 
@@ -549,16 +582,18 @@ class Scripts:
         turn: int,
         token: bytes,
         owner_ttl_s: int,
-    ) -> list[Taken]:
+    ) -> TakeResult:
         """Entries for the free slots of each lane (interactive, default, batch), each with
         its job started as `start` would (unless its id field is not a job id); see TAKE."""
         args: list[Any] = [self.keys.namespace, self.group, self.consumer]
         args += [int(time.time() * 1000), *slots, *max_wait_ms, turn, token, owner_ttl_s]
-        rows = self._take(args=[*args, *names])
-        return [
+        rows, drained, rings = self._take(args=[*args, *names])
+        taken = [
             Taken(stream, eid, _pairs(fields), started=_started(start) if start else None)
             for stream, eid, fields, start in rows
         ]
+        lanes = (drained[0:1] == b"1", drained[1:2] == b"1", drained[2:3] == b"1")
+        return TakeResult(taken, lanes, {n: r for n, r in zip(names, rings, strict=True) if r})
 
     def reclaim(self, names: Sequence[str], idle_ms: int, most: int) -> list[Taken]:
         args = [self.keys.namespace, self.group, self.consumer, idle_ms, most, *names]
