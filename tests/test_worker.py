@@ -488,6 +488,35 @@ def test_take_says_which_lanes_it_drained_and_the_doorbell_ring_it_saw(
     assert third.rings[TEST_MODEL] > ring
 
 
+def test_a_job_that_comes_in_gets_its_first_heartbeat_an_interval_later(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    # Its entry was delivered as it came in: a heartbeat then (KEEP over every entry of a
+    # burst) only took the Redis side's time beside the burst's first step.
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    engine = make_engine(tiny_model)
+    slow_steps(engine, 0.02)
+    config = fast_config(redis_namespace, heartbeat_interval_s=0.4, claim_idle_ms=2000)
+    worker = Worker(engine, client.redis, config)
+    keep, kept = worker.scripts.keep, []
+
+    def counted(entries: Any, **kwargs: Any) -> Any:
+        kept.append((time.monotonic(), len(entries)))
+        return keep(entries, **kwargs)
+
+    worker.scripts.keep = counted  # type: ignore[method-assign]
+    with WorkerThread(worker):
+        time.sleep(0.3)  # idle for most of an interval: that does not count
+        job = client.submit("a job", max_tokens=40, **GREEDY)
+        wait_for(lambda: job.id in worker.in_flight)
+        came_in = time.monotonic()
+        wait_for(lambda: kept, timeout=5)
+    assert kept[0][0] - came_in >= 0.3, kept  # an interval (0.4 s) after, give or take a pass
+    assert kept[0][1] == 1
+
+
 def test_a_live_worker_keeps_its_long_job_from_other_workers(
     tiny_model: Path,  # noqa: F811
     redis_url: str,

@@ -199,6 +199,8 @@ class Worker:
         self._intake_backoff = Backoff(c.max_backoff_s)
         # Publisher thread only.
         self._next_heartbeat = self._next_metrics = self._next_register = 0.0
+        # Set by the intake (a resync, entries read back): heartbeat before the timer says.
+        self._heartbeat_at_once = False
         self._last_publish = 0.0
         self._urgent = False  # a first token or an end waits for no stream interval
         self._fresh = False  # events wait in the outboxes
@@ -326,14 +328,16 @@ class Worker:
         if self._replay:
             # A previous process with our consumer name died holding these: reading them
             # with XREADGROUP counts a delivery, as it should.
-            self._take(self.scripts.own(names, replay=True))
+            replayed = self.scripts.own(names, replay=True)
+            self._take(replayed)
             self._replay = False
+            self._heartbeat_at_once |= bool(replayed)  # idle since that process died
         if self._resync:
             self._resync = False
             self._emptied_until = 0.0
             # The heartbeat that finds jobs lost while Redis was away runs on the publisher
             # thread: here it could see an entry the publisher has just settled as gone.
-            self._next_heartbeat = 0.0
+            self._heartbeat_at_once = True
             self._take_own_pending()
         if self.stopping:
             time.sleep(block)
@@ -642,7 +646,8 @@ class Worker:
         now = time.monotonic()
         due = min(self._next_metrics, self._next_register)
         if self.in_flight:
-            due = min(due, self._next_heartbeat, self._publish_due())
+            heartbeat = 0.0 if self._heartbeat_at_once else self._next_heartbeat
+            due = min(due, heartbeat, self._publish_due())
         self._collect_outputs(max(0.0, min(wait, due - now)))
         if not self._publish_backoff.ready():
             time.sleep(min(wait, max(0.0, self._publish_backoff.until - time.monotonic())))
@@ -654,8 +659,15 @@ class Worker:
             self._last_publish = now
             self._redis(self._publish, self._publish_backoff)
         now = time.monotonic()
-        if self.in_flight and now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.config.heartbeat_interval_s  # type: ignore[operator]
+        interval: float = self.config.heartbeat_interval_s  # type: ignore[assignment]
+        if not self.in_flight:
+            # A job that comes in was delivered then: its entry's first heartbeat is due an
+            # interval later (one at once would cost the first step of a burst the Redis
+            # side's time beside it, for entries that have been idle for a millisecond).
+            self._next_heartbeat = now + interval
+        elif self._heartbeat_at_once or now >= self._next_heartbeat:
+            self._heartbeat_at_once = False  # before the heartbeat reads what is in flight
+            self._next_heartbeat = now + interval
             self._redis(self._heartbeat, self._publish_backoff)
         if now >= self._next_metrics:
             self._next_metrics = now + self.config.metrics_interval_s
