@@ -388,11 +388,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeat > 1:
         # Best against best can pair two runs minutes apart; on a noisy host each queue run
         # against the direct run just before it says more (their median most of all).
-        pairs = [q.tokens_per_s / d.tokens_per_s for d, q in zip(directs, queues, strict=True)]
-        added = [
-            (percentile(q.ttft, 50) - percentile(d.ttft, 50)) * 1000
-            for d, q in zip(directs, queues, strict=True)
-        ]
+        runs = list(zip(directs, queues, strict=True))
+        pairs = [q.tokens_per_s / d.tokens_per_s for d, q in runs]
+        added = [(percentile(q.ttft, 50) - percentile(d.ttft, 50)) * 1000 for d, q in runs]
         print(
             f"each pair (a direct run, then a queue run): throughput "
             f"{', '.join(f'{r:.3f}' for r in pairs)} (median {statistics.median(pairs):.3f}); "

@@ -384,23 +384,21 @@ for _, level in ipairs(levels) do
   end
 end
 
+-- The id of a stream's newest entry, or nil.
+local function newest(key)
+  local top = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
+  return top[1] and top[1][1]
+end
+
 -- A queue is drained when its last read came up short, or ended at its newest entry.
 local drained = {1, 1, 1}
 for _, qs in ipairs({live, aged}) do
   for _, q in ipairs(qs) do
-    local done = q.short
-    if not done and q.last then
-      local top = redis.call('XREVRANGE', q.key, '+', '-', 'COUNT', 1)
-      done = top[1] ~= nil and top[1][1] == q.last
-    end
-    if not done then drained[q.lane] = 0 end
+    if not (q.short or (q.last and newest(q.key) == q.last)) then drained[q.lane] = 0 end
   end
 end
 local rings = {}
-for i, model in ipairs(names) do
-  local top = redis.call('XREVRANGE', ns .. ':bell:' .. model, '+', '-', 'COUNT', 1)
-  rings[i] = top[1] and top[1][1] or ''
-end
+for i, model in ipairs(names) do rings[i] = newest(ns .. ':bell:' .. model) or '' end
 
 -- The job id as the worker reads it (producer.protocol.JOB_ID_RE), or nil.
 local function job_id(fields)
