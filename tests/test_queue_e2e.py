@@ -85,6 +85,12 @@ def test_bench_queue_reports_both_sides_and_how_busy_the_engine_was(
     assert pairs is not None, out.stdout
     first, second, median = map(float, pairs.groups())
     assert median == pytest.approx((first + second) / 2, abs=1e-3)
+    ms = r"([-+][0-9.]+)"
+    pattern = rf"^each pair .*added TTFT p50 {ms}, {ms} ms \(median {ms} ms\)$"
+    added = re.search(pattern, out.stdout, re.M)
+    assert added is not None, out.stdout
+    first, second, median = map(float, added.groups())
+    assert median == pytest.approx((first + second) / 2, abs=0.11)
     for side in ("engine", "queue"):
         pattern = rf"^{side}: steps took ([0-9.]+) s of ([0-9.]+) s .*\(([0-9.]+)% stepping\)$"
         line = re.search(pattern, out.stdout, re.M)

@@ -387,14 +387,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.repeat > 1:
         # Best against best can pair two runs minutes apart; on a noisy host each queue run
-        # against the direct run just before it says more (their median most of all).
+        # against the direct run just before it says more (their median most of all: one
+        # burst's added TTFT moved from +5 to +35 ms between pairs on a 2-vCPU VM).
         runs = list(zip(directs, queues, strict=True))
         pairs = [q.tokens_per_s / d.tokens_per_s for d, q in runs]
         added = [(percentile(q.ttft, 50) - percentile(d.ttft, 50)) * 1000 for d, q in runs]
         print(
             f"each pair (a direct run, then a queue run): throughput "
             f"{', '.join(f'{r:.3f}' for r in pairs)} (median {statistics.median(pairs):.3f}); "
-            f"added TTFT p50 {', '.join(f'{a:+.1f}' for a in added)} ms"
+            f"added TTFT p50 {', '.join(f'{a:+.1f}' for a in added)} ms "
+            f"(median {statistics.median(added):+.1f} ms)"
         )
     for name, run in (("engine", direct), ("queue", queued)):
         assert run.steps is not None
