@@ -39,7 +39,7 @@ from tokenq.engine.outputs import RequestDelta
 from tokenq.producer.client import Client, make_request
 from tokenq.producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
 from tokenq.worker.cli import build_parser, worker_kwargs
-from tokenq.worker.driver import Add, Failed, Refused
+from tokenq.worker.driver import Add, EngineDriver, Failed, Refused
 from tokenq.worker.logs import configure_logging
 from tokenq.worker.loop import EMPTIED_FOR_BLOCKS, Worker
 from tokenq.worker.scripts import Scripts, TakeResult
@@ -697,6 +697,41 @@ def test_a_job_whose_text_fails_in_the_queue_process_ends_alone_with_an_error() 
     texts.output(Failed([], "the device is gone", ["dropped"]))
     for job in ("refused", "dropped", "stops"):
         assert texts.output([delta(job, [5], text="the engine's")])[0].new_text == "the engine's"
+
+
+def test_the_driver_names_an_engine_error_as_the_engine_does(
+    tiny_model: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request the engine fails to add (a bug, not bad input) is refused, and a step that
+    fails for every request is reported, with the error as the engine names one for a job
+    that fails alone: its type and text, not a quoted repr of them."""
+    engine = make_engine(tiny_model)
+    driver = EngineDriver(engine)
+
+    def add(job_id: str) -> Add:
+        params = SamplingParams(max_tokens=4, **GREEDY)
+        return Add(job_id, [5, 6, 7], params, 0, time.monotonic(), None)
+
+    def no_room(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no room")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "add_request", no_room)
+        driver.add([add("refused")])
+        driver.pump()
+    refused = Refused("refused", "internal_error", "RuntimeError: no room")
+    assert driver.outputs.get_nowait() == refused
+
+    def device_lost(*args: Any) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.model_runner.model, "forward", device_lost)
+    driver.add([add("a"), add("b")])
+    driver.pump()
+    failed = driver.outputs.get_nowait()
+    assert isinstance(failed, Failed)
+    assert (failed.error, sorted(failed.dropped)) == ("RuntimeError: device lost", ["a", "b"])
 
 
 def test_the_stream_interval_comes_from_a_flag_or_the_environment(

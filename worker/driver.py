@@ -17,9 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenq.engine.errors import InvalidRequest, StepFailed
+from tokenq.engine.errors import InvalidRequest, StepFailed, describe
 from tokenq.engine.sampling_params import SamplingParams
-from tokenq.producer.protocol import clip
 
 if TYPE_CHECKING:
     from tokenq.engine.llm_engine import LLMEngine
@@ -161,8 +160,7 @@ class EngineDriver(EngineView):
             try:
                 outputs = self.engine.step(self.between_layers)
             except StepFailed as exc:
-                cause = exc.__cause__ or exc
-                error = clip(f"{type(cause).__name__}: {cause}", 300)
+                error = describe(exc.__cause__ or exc)
                 dropped = list(self.engine.requests)
                 for job_id in dropped:
                     self.engine.abort(job_id)  # handed back by the Redis side
@@ -243,8 +241,7 @@ class EngineDriver(EngineView):
         except InvalidRequest as exc:
             self.outputs.put(Refused(add.job_id, exc.code, exc.message))
         except Exception as exc:  # the engine must not take the worker down for one job
-            message = clip(f"{type(exc).__name__}: {exc}", 300)
-            self.outputs.put(Refused(add.job_id, "internal_error", message))
+            self.outputs.put(Refused(add.job_id, "internal_error", describe(exc)))
 
     def snapshot(self) -> None:
         self._update(Snapshot.of(self.engine, self._applied))
