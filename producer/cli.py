@@ -72,7 +72,14 @@ def option(
     """An option whose default comes from its environment variable when that is set."""
     env = _env_name(flag)
     raw = os.environ.get(env)
-    value = type(raw) if raw is not None else default
+    value = default
+    if raw is not None:
+        try:
+            value = type(raw)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            # Every command's parser is built at start: not the usage of whichever is first.
+            print(f"tokenq: {env}: {exc}", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE) from None
     parser.add_argument(
         flag, type=type, default=value, help=f"{help} [env {env}; default {default}]", **kwargs
     )
@@ -84,9 +91,26 @@ def flag_option(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
     parser.add_argument(flag, action="store_true", default=default, help=f"{help} [env {env}]")
 
 
+def redis_url(text: str) -> str:
+    """A --redis-url read as redis-py will read it: a malformed one is a usage error at
+    once, not a traceback when the first connection is made (a worker's, after it loaded
+    its model)."""
+    try:
+        redis.connection.parse_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{redacted(text)}: {exc}") from None
+    return text
+
+
 def common_options(parser: argparse.ArgumentParser) -> None:
     """Where the queue is: every command that talks to Redis takes these."""
-    option(parser, "--redis-url", default=DEFAULT_REDIS_URL, help="Redis server")
+    option(
+        parser,
+        "--redis-url",
+        type=redis_url,
+        default=DEFAULT_REDIS_URL,
+        help="Redis server: redis://, rediss:// or unix:// (a socket file)",
+    )
     option(parser, "--namespace", default=DEFAULT_NAMESPACE, help="prefix of every Redis key")
 
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import hiredis
 import redis
@@ -344,7 +345,14 @@ def _check_binary(conn: Any) -> None:
         raise ValueError("tokenq needs a Redis client with decode_responses=False (msgpack)")
 
 
-def _own_pool_options(config: ClientConfig) -> dict[str, Any]:
+def keepalive_for(url: str) -> dict[str, bool]:
+    """TCP keepalive, which finds a peer that vanished under an idle connection, for a
+    redis:// or rediss:// URL; none for a unix:// socket, where the kernel knows when the
+    server is gone (and redis-py refuses the option: a TypeError at the first command)."""
+    return {} if urlsplit(url).scheme == "unix" else {"socket_keepalive": True}
+
+
+def _own_pool_options(config: ClientConfig, url: str) -> dict[str, Any]:
     """A URL-built client's pool: bounded waits on connect and on every read, keepalive and
     health checks to find dead connections, and no retries of redis-py's own (they would
     spend retry_for unseen). Beyond max_connections a command waits for a free connection
@@ -352,7 +360,7 @@ def _own_pool_options(config: ClientConfig) -> dict[str, Any]:
     return {
         "socket_connect_timeout": config.connect_timeout,
         "socket_timeout": config.socket_timeout,
-        "socket_keepalive": True,
+        **keepalive_for(url),
         "health_check_interval": config.health_check_interval,
         "max_connections": config.max_connections,
         "timeout": None,
@@ -808,7 +816,7 @@ class Client:
     ) -> None:
         self.config = dataclasses.replace(config or ClientConfig(), **overrides)
         if isinstance(conn, str):
-            options = _own_pool_options(self.config)
+            options = _own_pool_options(self.config, conn)
             pool = redis.BlockingConnectionPool.from_url(
                 conn, retry=Retry(NoBackoff(), 0), **options
             )
@@ -942,7 +950,7 @@ class AsyncClient:
     ) -> None:
         self.config = dataclasses.replace(config or ClientConfig(), **overrides)
         if isinstance(conn, str):
-            options = _own_pool_options(self.config)
+            options = _own_pool_options(self.config, conn)
             retry = AsyncRetry(NoBackoff(), 0)
             pool = aioredis.BlockingConnectionPool.from_url(conn, retry=retry, **options)
             conn = aioredis.Redis.from_pool(pool)

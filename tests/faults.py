@@ -37,7 +37,7 @@ class RedisServer:
     """A throwaway redis-server with `appendfsync always`, so a restart or a kill -9 loses
     no acknowledged write (what a production AOF setup promises within a second)."""
 
-    def __init__(self, workdir: Path, aof: bool = True) -> None:
+    def __init__(self, workdir: Path, aof: bool = True, unix_socket: bool = False) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed")
@@ -46,12 +46,19 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.aof = aof
+        # Also listening on a socket file (its path must fit a sun_path: 107 bytes).
+        self.socket = self.workdir / "redis.sock" if unix_socket else None
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        assert self.socket is not None, "started without unix_socket"
+        return f"unix://{self.socket}?db=0"
 
     def start(self) -> None:
         cmd = [
@@ -64,6 +71,8 @@ class RedisServer:
             "--appendfsync", "always",
             "--enable-debug-command", "yes",  # DEBUG SLEEP: Redis stalls on request
         ]  # fmt: skip
+        if self.socket is not None:
+            cmd += ["--unixsocket", str(self.socket), "--unixsocketperm", "700"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not self.answers():
@@ -150,6 +159,11 @@ class TcpProxy:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        assert self.socket is not None, "started without unix_socket"
+        return f"unix://{self.socket}?db=0"
 
     def cut_reply(self, command: bytes, times: int = 1) -> None:
         with self._lock:

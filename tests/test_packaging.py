@@ -100,6 +100,34 @@ def test_submit_to_a_redis_that_does_not_answer_prints_one_line() -> None:
     assert "secret" not in line
 
 
+def test_a_malformed_redis_url_is_one_line_of_usage_error_before_anything_starts() -> None:
+    """From the flag or the environment, for the worker (which loaded its model first, then
+    died in a traceback) as for the client's commands; the password stays hidden."""
+    bad = "redis://user:secret@127.0.0.1:sixthreeseventynine/0"
+    for argv, env in (
+        (["worker", "--model", "/no/such/model", "--redis-url", bad], {}),
+        (["submit", "hi", "--redis-url", bad], {}),
+        (["models", "--redis-url", bad], {}),
+        (["serve", "--redis-url", bad], {}),
+        (["inspect"], {"TOKENQ_REDIS_URL": "localhost:6379"}),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "tokenq.cli", *argv],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            timeout=120,
+        )
+        assert proc.returncode == 2, (argv, proc.stderr)
+        assert "Traceback" not in proc.stderr and "secret" not in proc.stderr, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert "Port could not be cast" in last or "Redis URL must specify" in last, last
+        if env:
+            assert last.startswith("tokenq: TOKENQ_REDIS_URL: localhost:6379: "), last
+        else:
+            assert f"tokenq {argv[0]}: error: argument --redis-url: redis://user:***@" in last
+
+
 def test_the_protocols_sampling_parameters_are_the_engines() -> None:
     fields = {f for f in SamplingParams.__dataclass_fields__}
     assert protocol.SAMPLING_PARAMS == fields

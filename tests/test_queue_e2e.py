@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.helpers import DEFAULT_MODEL, make_tiny_llama_dir
 from tests.redis_fixtures import CLIENT
 from tests.test_worker_support import WorkerThread, check_reply, fast_config, make_engine
 from tokenq.engine import SamplingParams
 from tokenq.producer.client import Client, make_request
+from tokenq.worker.bench_queue import _url_of
 from tokenq.worker.loop import Worker
 
 QUESTIONS = [
@@ -103,3 +105,18 @@ def test_bench_queue_reports_both_sides_and_how_busy_the_engine_was(
     parts = dict(re.findall(r"([a-z -]+?) ([0-9.]+) s", cpu.group(1)))
     assert {"client process", "redis-server"} <= {k.strip(", ") for k in parts}, cpu.group(1)
     assert int(cpu.group(2)) > 0
+
+
+def test_bench_queue_gives_its_processes_the_server_it_was_given() -> None:
+    """The worker's queue process and the client's process connect by URL: a unix socket
+    stays one (it was taken for no server, and the bench ran in-process), and TCP keeps its
+    host, port and db."""
+    for conn in (
+        redis.Redis(unix_socket_path="/run/redis/redis.sock", db=3),
+        redis.Redis(host="10.0.0.7", port=6380, db=2),
+    ):
+        url = _url_of(conn)
+        assert url is not None
+        again = redis.Redis.from_url(url).connection_pool.connection_kwargs
+        for key in ("path", "host", "port", "db"):
+            assert again.get(key) == conn.connection_pool.connection_kwargs.get(key), key

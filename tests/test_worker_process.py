@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.faults import WorkerProcess
+from tests.faults import RedisServer, WorkerProcess
 from tests.redis_fixtures import CLIENT
 from tests.test_worker_support import (
     WorkerThread,
@@ -24,7 +25,7 @@ from tests.test_worker_support import (
     tiny_model,  # noqa: F401
     wait_for,
 )
-from tokenq.producer.client import Client, Job, make_request
+from tokenq.producer.client import AsyncClient, Client, Job, make_request
 from tokenq.producer.protocol import TokenEvent, decode_event
 from tokenq.worker.loop import Worker
 
@@ -61,6 +62,39 @@ def submit(client: Client, n: int, max_tokens: int) -> tuple[list[Job], list[dic
     jobs = client.submit_many(make_request(p, max_tokens=max_tokens, **GREEDY) for p in prompts)
     requests = [{"prompt": p, "params": {"max_tokens": max_tokens, **GREEDY}} for p in prompts]
     return jobs, requests
+
+
+def test_a_worker_and_both_clients_reach_redis_over_a_unix_socket(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A worker beside its Redis may skip TCP: `unix://` URLs serve `tokenq worker`, the
+    client and the async client (which the gateway uses). redis-py refuses TCP keepalive
+    on a socket file, at the first command: each refused to start before."""
+    with RedisServer(tmp_path / "redis", aof=False, unix_socket=True) as server:
+        url = server.unix_url
+        client = Client(url, namespace="unix", **CLIENT)
+        jobs, requests = submit(client, 2, 12)
+        with worker_process(tiny_model, url, "unix", tmp_path, 5) as worker:
+            replies = [check_reply(list(j.stream(timeout=60))) for j in jobs]
+
+            async def through_the_async_client() -> list[int]:
+                aclient = AsyncClient(url, namespace="unix", **CLIENT)
+                try:
+                    job = await aclient.submit(requests[0]["prompt"], **requests[0]["params"])
+                    return (await job.result(timeout=60)).token_ids
+                finally:
+                    await aclient.aclose()
+
+            again = asyncio.run(through_the_async_client())
+            worker.proc.send_signal(signal.SIGTERM)
+            worker.wait_clean_exit(timeout=30)
+        expected = reference_run(tiny_model, requests)
+        for reply, (_, final) in zip(replies, expected, strict=True):
+            assert reply.done.token_ids == final.token_ids
+        assert again == expected[0][1].token_ids
+        assert pending(client.redis, client.keys) == []
+        client.close()
 
 
 def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(

@@ -197,7 +197,11 @@ def _client(conn: Any, namespace: str) -> Client:
 
 def _url_of(conn: Any) -> str | None:
     kwargs = conn.connection_pool.connection_kwargs
-    if "host" not in kwargs or type(conn).__module__.startswith("fakeredis"):
+    if type(conn).__module__.startswith("fakeredis"):
+        return None
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+    if "host" not in kwargs:
         return None
     return f"redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
 

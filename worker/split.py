@@ -52,6 +52,7 @@ from tokenq.engine.errors import describe
 from tokenq.engine.output_processor import IncrementalDetokenizer
 from tokenq.engine.outputs import RequestDelta
 from tokenq.engine.sequence import RequestMetrics
+from tokenq.producer.client import keepalive_for
 from tokenq.worker.config import REDIS_SIDES, WorkerConfig
 from tokenq.worker.driver import (
     Abort,
@@ -525,7 +526,7 @@ def make_worker(
 
 def connect(redis_url: str) -> redis.Redis:
     """The worker's connection, in whichever process its Redis side runs."""
-    return redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_keepalive=True)
+    return redis.Redis.from_url(redis_url, socket_connect_timeout=5, **keepalive_for(redis_url))
 
 
 def serve_queue(
