@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -95,6 +96,33 @@ def test_a_worker_and_both_clients_reach_redis_over_a_unix_socket(
         assert again == expected[0][1].token_ids
         assert pending(client.redis, client.keys) == []
         client.close()
+
+
+def test_a_worker_warns_at_start_when_redis_may_evict_its_keys(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """At maxmemory an evicting Redis may drop a queued job or the owner key that fences
+    it, silently: the worker says so in its log, and stays quiet under noeviction."""
+
+    def log_of_a_start(server: RedisServer, name: str) -> str:
+        log = tmp_path / f"{name}.log"
+        with WorkerProcess(tiny_model, server.url, "evict", log, consumer=name) as worker:
+            worker.wait_registered()
+            worker.proc.send_signal(signal.SIGTERM)
+            worker.wait_clean_exit(timeout=30)
+        return log.read_text()
+
+    with RedisServer(tmp_path / "redis", aof=False) as server:
+        assert "jobs can be lost" not in log_of_a_start(server, "default")
+        conn = server.client()
+        conn.config_set("maxmemory", "256mb")
+        conn.config_set("maxmemory-policy", "volatile-lru")  # evicts keys with a TTL
+        lines = log_of_a_start(server, "lru").splitlines()
+        (warning,) = [json.loads(line) for line in lines if "jobs can be lost" in line]
+        assert warning["level"] == "warning"
+        assert warning["maxmemory_policy"] == "volatile-lru"
+        assert warning["maxmemory"] == str(256 * 1024 * 1024)
 
 
 def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(

@@ -247,6 +247,24 @@ class Worker:
             pipe.zadd(k.workers, {c.consumer: int(now * 1000)})
             pipe.execute()
 
+    def _warn_if_redis_evicts(self) -> None:
+        """A Redis that evicts keys when it reaches maxmemory may drop a queued job, its
+        reply, or the owner key that fences it, and nothing says so: say it once, at start
+        (as Sidekiq and BullMQ do). A server that refuses CONFIG (a managed one, or Redis
+        down just now) is taken on trust."""
+        try:
+            config = self.redis.config_get("maxmemory*")
+        except redis.RedisError:
+            return
+        policy = config.get("maxmemory-policy", "noeviction")
+        if policy != "noeviction" and config.get("maxmemory", "0") != "0":
+            self.log.warning(
+                "redis evicts keys at maxmemory: jobs can be lost",
+                maxmemory=config.get("maxmemory"),
+                maxmemory_policy=policy,
+                fix="maxmemory-policy noeviction",
+            )
+
     def _deregister(self) -> None:
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.zrem(self.keys.workers, self.config.consumer)
@@ -257,6 +275,7 @@ class Worker:
         """Serve until `stop()`, then drain and hand back what did not finish."""
         self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
         self._redis(self.register, self._publish_backoff)
+        self._warn_if_redis_evicts()
         structlog.contextvars.bind_contextvars(consumer=self.config.consumer)
         self.log.info("worker started", models=list(self.config.served_names))
         threads = [
