@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import re
 import select
 import shutil
 import signal
@@ -138,7 +139,8 @@ class TcpProxy:
     - `cut_reply(command, times)`: the next `times` requests that contain `command` (e.g.
       b"EXEC", b"EVALSHA") reach Redis and run, and the connection is closed before the
       client reads the answer;
-    - `stall(seconds)`: replies are held for `seconds` before they go on.
+    - `stall(seconds)`: replies are held for `seconds` before they go on;
+    - `report_version(version)`: INFO answers name that version, as an older server would.
     """
 
     def __init__(self, target_port: int) -> None:
@@ -153,17 +155,13 @@ class TcpProxy:
         self._stall_until = 0.0
         self.cuts_done = 0
         self._closed = False
+        self._version: bytes | None = None
         self._conns: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def unix_url(self) -> str:
-        assert self.socket is not None, "started without unix_socket"
-        return f"unix://{self.socket}?db=0"
 
     def cut_reply(self, command: bytes, times: int = 1) -> None:
         with self._lock:
@@ -172,6 +170,17 @@ class TcpProxy:
     def stall(self, seconds: float) -> None:
         with self._lock:
             self._stall_until = time.monotonic() + seconds
+
+    def report_version(self, version: str) -> None:
+        """As long as the server's own (the INFO reply's length header stays right)."""
+        self._version = version.encode()
+
+    def _rewrite(self, data: bytes) -> bytes:
+        found = re.search(rb"redis_version:([0-9.]+)", data)
+        if self._version is None or found is None:
+            return data
+        assert len(found.group(1)) == len(self._version), (found.group(1), self._version)
+        return data[: found.start(1)] + self._version + data[found.end(1) :]
 
     def _accept(self) -> None:
         while not self._closed:
@@ -215,7 +224,7 @@ class TcpProxy:
                     wait = self._stall_until - time.monotonic()
                     if wait > 0:
                         time.sleep(wait)
-                    client.sendall(data)
+                    client.sendall(self._rewrite(data))
         except OSError:
             return
         finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.faults import RedisServer, WorkerProcess
+from tests.faults import RedisServer, TcpProxy, WorkerProcess
 from tests.redis_fixtures import CLIENT
 from tests.test_worker_support import (
     WorkerThread,
@@ -123,6 +123,27 @@ def test_a_worker_warns_at_start_when_redis_may_evict_its_keys(
         assert warning["level"] == "warning"
         assert warning["maxmemory_policy"] == "volatile-lru"
         assert warning["maxmemory"] == str(256 * 1024 * 1024)
+
+
+def test_a_worker_refuses_a_redis_older_than_its_scripts_need(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Before 6.2 Redis has no XAUTOCLAIM, and a worker there would quietly never take over
+    a dead worker's jobs: it says so in one line and exits, without registering."""
+    with RedisServer(tmp_path / "redis", aof=False) as server, TcpProxy(server.port) as proxy:
+        real = str(server.client().info("server")["redis_version"])
+        proxy.report_version("6.0." + "1" * (len(real) - 4))  # as long as the real one
+        log = tmp_path / "w.log"
+        with WorkerProcess(tiny_model, proxy.url, "old", log) as worker:
+            assert worker.proc.wait(timeout=120) == 1, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "Traceback" not in text
+        (line,) = [json.loads(row) for row in text.splitlines() if "too old" in row]
+        assert line["level"] == "error"
+        assert line["error"].startswith("Redis 6.0.1")
+        assert line["error"].endswith("is too old: tokenq needs Redis 6.2 or newer")
+        assert server.client().zcard("old:workers") == 0
 
 
 def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(

@@ -159,6 +159,7 @@ def served_names(model: str, given: list[str] | None) -> tuple[str, ...]:
 
 def run_worker(args: argparse.Namespace) -> int:
     from tokenq.engine import LLMEngine
+    from tokenq.worker.loop import RedisTooOld
     from tokenq.worker.split import LogSettings, make_worker
 
     configure_logging(json=args.log_format == "json", level=args.log_level)
@@ -183,7 +184,10 @@ def run_worker(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return runner.run() or 0
+    try:
+        return runner.run() or 0
+    except RedisTooOld:  # on the Redis side's threads (logged)
+        return 1
 
 
 def run_demo(args: argparse.Namespace) -> int:

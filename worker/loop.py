@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import socket
 import threading
 import time
@@ -90,6 +91,14 @@ START_CHUNK = 16
 # doorbell wait, and an entry a producer added without ringing (against the protocol) is
 # still found within that.
 EMPTIED_FOR_BLOCKS = 10
+# The oldest Redis the scripts run on: XAUTOCLAIM, exclusive XRANGE bounds and XTRIM MINID
+# came in 6.2. On an older server a worker's scripts would fail or, worse, quietly skip
+# what they cannot run (reclaiming a dead worker's jobs among it).
+MIN_REDIS = (6, 2)
+
+
+class RedisTooOld(RuntimeError):
+    """The server is older than MIN_REDIS: the worker does not start."""
 
 
 @dataclass
@@ -247,11 +256,22 @@ class Worker:
             pipe.zadd(k.workers, {c.consumer: int(now * 1000)})
             pipe.execute()
 
-    def _warn_if_redis_evicts(self) -> None:
-        """A Redis that evicts keys when it reaches maxmemory may drop a queued job, its
-        reply, or the owner key that fences it, and nothing says so: say it once, at start
-        (as Sidekiq and BullMQ do). A server that refuses CONFIG (a managed one, or Redis
-        down just now) is taken on trust."""
+    def _check_redis(self) -> None:
+        """Refuse a server older than MIN_REDIS; warn once about one that evicts keys at
+        maxmemory, which may drop a queued job, its reply, or the owner key that fences
+        it, with nothing to say so (as Sidekiq and BullMQ warn). A server that answers
+        neither INFO nor CONFIG (a managed one, the demo's fakeredis, or Redis down just
+        now) is taken on trust."""
+        try:
+            version = self.redis.info("server").get("redis_version", "")
+        except redis.RedisError:
+            version = ""
+        found = tuple(int(part) for part in re.findall(r"\d+", str(version))[:2])
+        if found and found < MIN_REDIS:
+            need = ".".join(map(str, MIN_REDIS))
+            message = f"Redis {version} is too old: tokenq needs Redis {need} or newer"
+            self.log.error("worker not started", error=message)
+            raise RedisTooOld(message)
         try:
             config = self.redis.config_get("maxmemory*")
         except redis.RedisError:
@@ -272,10 +292,11 @@ class Worker:
             pipe.execute()
 
     def run(self) -> None:
-        """Serve until `stop()`, then drain and hand back what did not finish."""
+        """Serve until `stop()`, then drain and hand back what did not finish. Raises
+        RedisTooOld, before it registers, on a server older than MIN_REDIS."""
+        self._check_redis()
         self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
         self._redis(self.register, self._publish_backoff)
-        self._warn_if_redis_evicts()
         structlog.contextvars.bind_contextvars(consumer=self.config.consumer)
         self.log.info("worker started", models=list(self.config.served_names))
         threads = [

@@ -539,7 +539,7 @@ def serve_queue(
     logs: LogSettings,
 ) -> None:
     """The queue process: a `Worker` whose engine is across the pipe."""
-    from tokenq.worker.loop import Worker
+    from tokenq.worker.loop import RedisTooOld, Worker
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -553,3 +553,5 @@ def serve_queue(
     except EngineGone:
         worker.log.error("the engine's process ended; its jobs were handed back")
         raise SystemExit(1) from None
+    except RedisTooOld:
+        raise SystemExit(1) from None  # logged
