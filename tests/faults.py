@@ -38,7 +38,9 @@ class RedisServer:
     """A throwaway redis-server with `appendfsync always`, so a restart or a kill -9 loses
     no acknowledged write (what a production AOF setup promises within a second)."""
 
-    def __init__(self, workdir: Path, aof: bool = True, unix_socket: bool = False) -> None:
+    def __init__(
+        self, workdir: Path, aof: bool = True, unix_socket: bool = False, cluster: bool = False
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed")
@@ -49,6 +51,7 @@ class RedisServer:
         self.aof = aof
         # Also listening on a socket file (its path must fit a sun_path: 107 bytes).
         self.socket = self.workdir / "redis.sock" if unix_socket else None
+        self.cluster = cluster  # a cluster node (holding no slots yet)
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -74,6 +77,8 @@ class RedisServer:
         ]  # fmt: skip
         if self.socket is not None:
             cmd += ["--unixsocket", str(self.socket), "--unixsocketperm", "700"]
+        if self.cluster:
+            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not self.answers():

@@ -146,6 +146,22 @@ def test_a_worker_refuses_a_redis_older_than_its_scripts_need(
         assert server.client().zcard("old:workers") == 0
 
 
+def test_a_worker_refuses_a_redis_cluster_node(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The scripts name keys of many hash slots, which a cluster refuses: one line, exit 1
+    (it was a traceback from the first registration)."""
+    with RedisServer(tmp_path / "redis", aof=False, cluster=True) as server:
+        log = tmp_path / "w.log"
+        with WorkerProcess(tiny_model, server.url, "cluster", log) as worker:
+            assert worker.proc.wait(timeout=120) == 1, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "Traceback" not in text
+        (line,) = [json.loads(row) for row in text.splitlines() if "not supported" in row]
+        assert line["error"] == "Redis Cluster is not supported: use a server not in cluster mode"
+
+
 def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(
     tiny_model: Path,  # noqa: F811
     redis_url: str,

@@ -159,7 +159,7 @@ def served_names(model: str, given: list[str] | None) -> tuple[str, ...]:
 
 def run_worker(args: argparse.Namespace) -> int:
     from tokenq.engine import LLMEngine
-    from tokenq.worker.loop import RedisTooOld
+    from tokenq.worker.loop import UnsupportedRedis
     from tokenq.worker.split import LogSettings, make_worker
 
     configure_logging(json=args.log_format == "json", level=args.log_level)
@@ -186,7 +186,7 @@ def run_worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         return runner.run() or 0
-    except RedisTooOld:  # on the Redis side's threads (logged)
+    except UnsupportedRedis:  # on the Redis side's threads (logged)
         return 1
 
 

@@ -97,8 +97,8 @@ EMPTIED_FOR_BLOCKS = 10
 MIN_REDIS = (6, 2)
 
 
-class RedisTooOld(RuntimeError):
-    """The server is older than MIN_REDIS: the worker does not start."""
+class UnsupportedRedis(RuntimeError):
+    """The server is older than MIN_REDIS, or a cluster node: the worker does not start."""
 
 
 @dataclass
@@ -257,21 +257,27 @@ class Worker:
             pipe.execute()
 
     def _check_redis(self) -> None:
-        """Refuse a server older than MIN_REDIS; warn once about one that evicts keys at
-        maxmemory, which may drop a queued job, its reply, or the owner key that fences
-        it, with nothing to say so (as Sidekiq and BullMQ warn). A server that answers
-        neither INFO nor CONFIG (a managed one, the demo's fakeredis, or Redis down just
-        now) is taken on trust."""
+        """Refuse a server older than MIN_REDIS, or a cluster node (the scripts reach keys
+        of many hash slots, named by their arguments: a cluster refuses them); warn once
+        about one that evicts keys at maxmemory, which may drop a queued job, its reply, or
+        the owner key that fences it, with nothing to say so (as Sidekiq and BullMQ warn).
+        A server that answers neither INFO nor CONFIG (a managed one, the demo's fakeredis,
+        or Redis down just now) is taken on trust."""
         try:
-            version = self.redis.info("server").get("redis_version", "")
+            info = self.redis.info()  # the default sections: server and cluster among them
         except redis.RedisError:
-            version = ""
-        found = tuple(int(part) for part in re.findall(r"\d+", str(version))[:2])
+            info = {}
+        version = str(info.get("redis_version", ""))
+        found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+        message = None
         if found and found < MIN_REDIS:
             need = ".".join(map(str, MIN_REDIS))
             message = f"Redis {version} is too old: tokenq needs Redis {need} or newer"
+        elif info.get("cluster_enabled"):
+            message = "Redis Cluster is not supported: use a server not in cluster mode"
+        if message is not None:
             self.log.error("worker not started", error=message)
-            raise RedisTooOld(message)
+            raise UnsupportedRedis(message)
         try:
             config = self.redis.config_get("maxmemory*")
         except redis.RedisError:
@@ -293,7 +299,7 @@ class Worker:
 
     def run(self) -> None:
         """Serve until `stop()`, then drain and hand back what did not finish. Raises
-        RedisTooOld, before it registers, on a server older than MIN_REDIS."""
+        UnsupportedRedis, before it registers, on a server it cannot run on."""
         self._check_redis()
         self.metrics.serve(self.config.metrics_port, self.config.metrics_addr)
         self._redis(self.register, self._publish_backoff)

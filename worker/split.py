@@ -539,7 +539,7 @@ def serve_queue(
     logs: LogSettings,
 ) -> None:
     """The queue process: a `Worker` whose engine is across the pipe."""
-    from tokenq.worker.loop import RedisTooOld, Worker
+    from tokenq.worker.loop import UnsupportedRedis, Worker
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -553,5 +553,5 @@ def serve_queue(
     except EngineGone:
         worker.log.error("the engine's process ended; its jobs were handed back")
         raise SystemExit(1) from None
-    except RedisTooOld:
+    except UnsupportedRedis:
         raise SystemExit(1) from None  # logged
