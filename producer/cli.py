@@ -248,6 +248,9 @@ def cmd_batch_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_NO_REDIS
+    except redis.RedisError as exc:  # a command refused: out of memory, read-only, ACL, ...
+        print(f"tokenq batch: {refused(args.redis_url, exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -385,6 +388,12 @@ def redacted(url: str) -> str:
     return re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)
 
 
+def refused(url: str, exc: redis.RedisError) -> str:
+    """A command Redis refused (out of memory, read-only, no permission, a cluster), for a
+    one-line message."""
+    return f"Redis at {redacted(url)} refused: {exc}"
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     for name in ("top_p", "seed"):
@@ -405,6 +414,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except redis.ConnectionError as exc:
         print(f"tokenq: cannot reach Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
         return EXIT_NO_REDIS
+    except redis.RedisError as exc:
+        print(f"tokenq: {refused(args.redis_url, exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except (ProtocolError, UnknownModel, ValueError) as exc:
         print(f"tokenq: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -417,6 +429,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     except redis.ConnectionError as exc:
         print(f"tokenq: cannot reach Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
         return EXIT_NO_REDIS
+    except redis.RedisError as exc:
+        print(f"tokenq: {refused(args.redis_url, exc)}", file=sys.stderr)
+        return EXIT_USAGE
     if args.json:
         print(json.dumps([asdict(m) for m in models]))
     elif not models:

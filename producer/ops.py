@@ -35,6 +35,7 @@ from tokenq.producer.cli import (
     flag_option,
     option,
     redacted,
+    refused,
 )
 from tokenq.producer.client import Client, ClientConfig
 from tokenq.producer.dlq import DeadLetter, DeadLetters, NotFound, NotReplayable
@@ -188,7 +189,7 @@ def _with_client(args: argparse.Namespace, body: Callable[[Client], int]) -> int
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         return _fail(f"cannot reach Redis at {redacted(args.redis_url)}: {exc}", EXIT_NO_REDIS)
     except redis.RedisError as exc:
-        return _fail(f"Redis at {redacted(args.redis_url)} refused: {exc}", EXIT_USAGE)
+        return _fail(refused(args.redis_url, exc), EXIT_USAGE)
     except ValueError as exc:  # a malformed URL
         return _fail(str(exc), EXIT_USAGE)
 

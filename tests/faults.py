@@ -78,7 +78,9 @@ class RedisServer:
         if self.socket is not None:
             cmd += ["--unixsocket", str(self.socket), "--unixsocketperm", "700"]
         if self.cluster:
+            # Its bus port: port + 10000 by default, past 65535 for a high free port.
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            cmd += ["--cluster-port", str(free_port())]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not self.answers():

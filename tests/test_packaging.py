@@ -10,7 +10,7 @@ import textwrap
 import zipfile
 from pathlib import Path
 
-from tests.faults import free_port
+from tests.faults import RedisServer, free_port
 from tokenq.engine.sampling_params import SamplingParams
 from tokenq.producer import protocol
 
@@ -126,6 +126,30 @@ def test_a_malformed_redis_url_is_one_line_of_usage_error_before_anything_starts
             assert last.startswith("tokenq: TOKENQ_REDIS_URL: localhost:6379: "), last
         else:
             assert f"tokenq {argv[0]}: error: argument --redis-url: redis://user:***@" in last
+
+
+def test_a_command_redis_refuses_is_one_line_from_every_client_command(tmp_path: Path) -> None:
+    """A server that answers but refuses (here a cluster node serving no slot; a full
+    server under noeviction, a replica or an ACL refuse the same way): one line and
+    status 2 from each command, never a traceback."""
+    batch_input = tmp_path / "in.jsonl"
+    batch_input.write_text(
+        '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
+        '"body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}}\n'
+    )
+    batch_run = ["batch", "run", str(batch_input), str(tmp_path / "out.jsonl"), "--no-progress"]
+    with RedisServer(tmp_path / "redis", aof=False, cluster=True) as server:
+        for argv in (["submit", "hi"], ["models"], ["inspect"], batch_run):
+            proc = subprocess.run(
+                [sys.executable, "-m", "tokenq.cli", *argv, "--redis-url", server.url],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert proc.returncode == 2, (argv, proc.stderr)
+            who = "tokenq batch" if argv[0] == "batch" else "tokenq"
+            refused = f"{who}: Redis at {server.url} refused: Hash slot not served"
+            assert proc.stderr.strip().splitlines() == [refused], (argv, proc.stderr)
 
 
 def test_the_protocols_sampling_parameters_are_the_engines() -> None:
