@@ -337,6 +337,9 @@ async def generate(request: Request, kind: str) -> Response:
     except redis.ConnectionError as exc:
         error = BadRequest(f"Redis unavailable: {clip(str(exc))}", None, 503, "server_error")
         return _error(error)
+    except redis.RedisError as exc:  # answering but refusing: full, read-only, ...
+        error = BadRequest(f"Redis refused: {clip(str(exc))}", None, 503, "server_error")
+        return _error(error)
 
 
 class EventStream(Response):
@@ -555,7 +558,7 @@ def openai_router() -> APIRouter:
     async def models(request: Request) -> Response:
         try:
             return await list_models(request)
-        except redis.ConnectionError as exc:
+        except redis.RedisError as exc:
             return _error(BadRequest(f"Redis unavailable: {clip(str(exc))}", None, 503))
 
     @router.post("/v1/completions")

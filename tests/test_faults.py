@@ -643,6 +643,33 @@ def test_a_poison_job_fails_alone_and_its_batch_neighbours_finish(
     client.close()
 
 
+def test_a_full_redis_stalls_publishing_and_every_job_still_ends_once_whole(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Redis at maxmemory under noeviction refuses writes (OOM) for a second while jobs
+    run: the worker waits it out as it does an outage (it used to die of it), and drops no
+    event (a refused one was taken for a duplicate, and a refused end still acknowledged
+    its entry): every reply is whole and ends once."""
+    with RedisServer(tmp_path / "redis", aof=False) as server:
+        client = Client(server.url, namespace="full", **CLIENT)
+        run = Run.submit(client, 8, 300)
+        config = fast_config("full", max_outbox_events=64, max_backoff_s=0.2)
+        conn = redis.Redis.from_url(server.url, socket_timeout=5)
+        admin = server.client()
+        with WorkerThread(Worker(make_engine(tiny_model), conn, config)) as worker:
+            wait_for(lambda: min(run.tokens_so_far(admin)) > 20, timeout=60)
+            admin.config_set("maxmemory", "1")
+            before = run.tokens_so_far(admin)
+            time.sleep(1.0)
+            assert run.tokens_so_far(admin) == before  # nothing got through meanwhile
+            admin.config_set("maxmemory", "0")
+            wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
+            assert sum(worker.metrics.request_success_total.values()) == 8
+        run.check(tiny_model, admin)
+        client.close()
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["threads", "two-processes"])
 def test_the_engine_keeps_stepping_while_redis_stalls(
     tiny_model: Path,  # noqa: F811

@@ -22,7 +22,7 @@ import openai
 import pytest
 import redis
 
-from tests.faults import WorkerProcess, free_port
+from tests.faults import RedisServer, WorkerProcess, free_port
 from tests.helpers import make_tiny_llama_dir
 from tests.test_packaging import NO_TORCH
 from tokenq.producer import Client
@@ -583,6 +583,34 @@ def test_serve_without_fastapi_says_what_to_install(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "pip install 'tokenq[serve]'" in out.stderr
+
+
+def test_a_full_redis_is_a_503_and_the_same_request_succeeds_once_it_has_room(
+    tmp_path: Path,
+) -> None:
+    """Redis at maxmemory under noeviction refuses the submit: the SDK gets a 503 that
+    says so (it was a 500 and a traceback in the log), and nothing is queued; the same
+    request goes through once Redis has room again."""
+    model = make_tiny_llama_dir(tmp_path / "tiny")
+    with RedisServer(tmp_path / "redis", aof=False) as server:
+        with WorkerProcess(model, server.url, "full", tmp_path / "worker.log") as worker:
+            worker.wait_registered()
+            gateway = GatewayProcess(server.url, "full", tmp_path / "gateway.log")
+            try:
+                sdk = gateway.sdk(max_retries=0)
+                admin = server.client()
+                admin.config_set("maxmemory", "1")
+                with pytest.raises(openai.InternalServerError) as refused:
+                    sdk.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+                assert refused.value.status_code == 503
+                assert "Redis refused" in refused.value.message, refused.value.message
+                assert not admin.keys("full:job:*")
+                admin.config_set("maxmemory", "0")
+                done = sdk.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+                assert done.usage is not None and done.usage.completion_tokens == 4
+            finally:
+                gateway.close()
+        assert "Traceback" not in (tmp_path / "gateway.log").read_text()
 
 
 def test_the_gateway_needs_no_torch() -> None:

@@ -77,6 +77,21 @@ if TYPE_CHECKING:
     from tokenq.worker.split import RemoteEngine
 
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+# Redis answering but refusing for a while, waited out as an unreachable server is: full
+# under noeviction (OOM), a replica since a failover (READONLY), writes stopped after a
+# failed save (MISCONF), a long script (BUSY). A script refused at its first write has
+# written nothing, so the work is simply tried again.
+REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+REFUSAL_CODES = ("MISCONF", "BUSY", "OOM", "READONLY")
+
+
+def passing(exc: redis.RedisError) -> bool:
+    """Whether a Redis error is one to wait out rather than a bug or a broken setup."""
+    if isinstance(exc, REDIS_ERRORS + REFUSALS):
+        return True
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(REFUSAL_CODES)
+
+
 WAKE = "wake"  # put on the engine's output queue: the publisher has settlements to send
 # While no job in flight has new events, how often the publisher still asks Redis whether
 # one was cancelled or taken over (a job with tokens coming asks with every publish).
@@ -348,14 +363,23 @@ class Worker:
         )
 
     def _redis(self, work: Callable[[], Any], backoff: Backoff) -> bool:
-        """Run one piece of Redis work; a failure schedules a retry with backoff and a
-        resync instead of unwinding the thread. True if it ran."""
+        """Run one piece of Redis work; a failure that passes (`passing`) schedules a retry
+        with backoff and a resync instead of unwinding the thread. True if it ran."""
         try:
             work()
-        except REDIS_ERRORS as exc:
+        except redis.RedisError as exc:
+            if not passing(exc):
+                raise
             self._resync = True
             delay = backoff.failed()
-            self.log.warning("redis unavailable", error=str(exc), retry_in=delay)
+            if isinstance(exc, REDIS_ERRORS):
+                self.log.warning("redis unavailable", error=str(exc), retry_in=delay)
+                return False
+            self.log.warning("redis refused a command", error=str(exc), retry_in=delay)
+            if isinstance(exc, redis.exceptions.ReadOnlyError):
+                # A failover made this server a replica: connect again, maybe to the new
+                # primary (a name that moved with it).
+                self.redis.connection_pool.disconnect(inuse_connections=False)
             return False
         backoff.succeeded()
         return True

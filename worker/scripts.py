@@ -103,10 +103,19 @@ local function last_seq(reply)
   return tonumber(seq)
 end
 
--- One event (its type's letter, then its data) at `id`; false if Redis refused it.
+-- One event (its type's letter, then its data) at `id`; false if the stream refused that
+-- id (at or below its top: a re-sent call) or the key is no stream. Any other refusal (out
+-- of memory) ends the call with that error: Redis refuses a write for memory only while
+-- the call has written nothing yet, so it is tried again whole (a refused event taken for
+-- a duplicate would be lost, and its entry acknowledged all the same).
 local function add(reply, id, ev)
   local t, d = TYPES[string.sub(ev, 1, 1)], string.sub(ev, 2)
-  return not redis.pcall('XADD', reply, id, 'type', t, 'data', d).err
+  local done = redis.pcall('XADD', reply, id, 'type', t, 'data', d)
+  if not done.err then return true end
+  if string.find(done.err, 'equal or smaller', 1, true) or string.find(done.err, '^WRONGTYPE') then
+    return false
+  end
+  return error(done)
 end
 
 -- Events go to ids 0-first, 0-first+1, ...; the usual call finds the stream ending just
@@ -294,7 +303,8 @@ local function read(q, count)
   local got = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', count,
                           'STREAMS', q.key, '>')
   if got and got.err then  -- a new queue: its group starts at its first entry
-    redis.pcall('XGROUP', 'CREATE', q.key, group, '0', 'MKSTREAM')
+    local made = redis.pcall('XGROUP', 'CREATE', q.key, group, '0', 'MKSTREAM')
+    if made.err and not string.find(made.err, '^BUSYGROUP') then return error(made) end
     got = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', count,
                      'STREAMS', q.key, '>')
   end
