@@ -643,6 +643,26 @@ def test_a_poison_job_fails_alone_and_its_batch_neighbours_finish(
     client.close()
 
 
+def test_the_worker_waits_out_a_refusing_redis_but_not_a_bug() -> None:
+    """Refusals that pass (as redis-py raises them) are waited out; an error that says the
+    worker or the setup is wrong still ends the worker, rather than being retried forever."""
+    waited = [
+        redis.ConnectionError("Connection refused"),
+        redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'"),
+        redis.exceptions.ReadOnlyError("You can't write against a read only replica."),
+        redis.ResponseError("MISCONF Redis is configured to save RDB snapshots, but ..."),
+        redis.ResponseError("BUSY Redis is busy running a script."),
+    ]
+    fatal = [
+        redis.ResponseError("BUSYGROUP Consumer Group name already exists"),
+        redis.ResponseError("NOGROUP No such key or consumer group"),
+        redis.exceptions.NoPermissionError("this user has no permissions to run 'evalsha'"),
+        redis.ResponseError("ERR Error running script: attempt to index a nil value"),
+    ]
+    assert all(loop.passing(exc) for exc in waited)
+    assert not any(loop.passing(exc) for exc in fatal)
+
+
 def test_a_full_redis_stalls_publishing_and_every_job_still_ends_once_whole(
     tiny_model: Path,  # noqa: F811
     tmp_path: Path,
