@@ -869,7 +869,8 @@ class Client:
         return models
 
     def _retrying(self, attempt: Callable[[], T]) -> T:
-        """`attempt()`, tried again while Redis is unreachable, up to retry_for."""
+        """`attempt()`, tried again while Redis is unreachable, or a replica since a
+        failover, up to retry_for."""
         budget = _RetryBudget(self.config.retry_for, self._reader.mux.where)
         while True:
             try:
@@ -877,6 +878,11 @@ class Client:
             except _PERMANENT:
                 raise
             except _TRANSIENT as exc:
+                time.sleep(budget.pause(exc))
+            except redis.exceptions.ReadOnlyError as exc:
+                # A failover left this connection on a replica: new ones may reach the new
+                # primary (a name that moved with it). The refused call wrote nothing.
+                self.redis.connection_pool.disconnect(inuse_connections=False)
                 time.sleep(budget.pause(exc))
 
     def job(self, job_id: str) -> Job:
@@ -1007,6 +1013,9 @@ class AsyncClient:
             except _PERMANENT:
                 raise
             except _TRANSIENT as exc:
+                await asyncio.sleep(budget.pause(exc))
+            except redis.exceptions.ReadOnlyError as exc:  # as in `Client._retrying`
+                await self.redis.connection_pool.disconnect(inuse_connections=False)
                 await asyncio.sleep(budget.pause(exc))
 
     def job(self, job_id: str) -> AsyncJob:

@@ -373,3 +373,42 @@ def test_config_refuses_a_block_that_never_returns() -> None:
         ClientConfig(block_ms=0)
     with pytest.raises(ValueError, match="retry_for"):
         ClientConfig(retry_for=-1)
+
+
+def test_submits_ride_out_a_failover_that_left_them_on_a_replica(tmp_path: Path) -> None:
+    """The server behind the URL is a replica for a moment (READONLY, as after a failover,
+    until the name points at the new primary): both clients' submits wait it out within
+    retry_for, instead of failing at once; the refused tries queued nothing."""
+    with (
+        RedisServer(tmp_path / "primary", aof=False) as primary,
+        RedisServer(tmp_path / "server", aof=False) as server,
+    ):
+        admin = server.client()
+        admin.replicaof("127.0.0.1", primary.port)
+
+        def promote_soon() -> threading.Timer:
+            timer = threading.Timer(0.5, lambda: admin.replicaof("NO", "ONE"))
+            timer.start()
+            return timer
+
+        client = Client(server.url, namespace="failover", model="m", retry_for=10)
+        promote_soon()
+        started = time.monotonic()
+        job = client.submit("hi", queue_anyway=True)
+        assert 0.4 < time.monotonic() - started < 10
+        assert job.status() == "queued" and not job.duplicate
+        queue = client.keys.queue("m", 0, "-")
+        assert admin.xlen(queue) == 1
+
+        async def submit_async() -> str:
+            aclient = AsyncClient(server.url, namespace="failover", model="m", retry_for=10)
+            try:
+                return (await aclient.submit("hi again", queue_anyway=True)).id
+            finally:
+                await aclient.aclose()
+
+        admin.replicaof("127.0.0.1", primary.port)
+        promote_soon()
+        second = asyncio.run(submit_async())
+        assert client.job(second).status() == "queued"
+        client.close()
