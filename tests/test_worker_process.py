@@ -125,6 +125,18 @@ def test_a_worker_warns_at_start_when_redis_may_evict_its_keys(
         assert warning["maxmemory"] == str(256 * 1024 * 1024)
 
 
+def refusal(model: Path, url: str, namespace: str, log: Path) -> dict:
+    """`tokenq worker` on a server it cannot run on: it exits 1 with one error line (its
+    log entry, returned) and no traceback."""
+    with WorkerProcess(model, url, namespace, log) as worker:
+        assert worker.proc.wait(timeout=120) == 1, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "Traceback" not in text
+    (line,) = [json.loads(row) for row in text.splitlines() if '"worker not started"' in row]
+    assert line["level"] == "error"
+    return line
+
+
 def test_a_worker_refuses_a_redis_older_than_its_scripts_need(
     tiny_model: Path,  # noqa: F811
     tmp_path: Path,
@@ -134,13 +146,7 @@ def test_a_worker_refuses_a_redis_older_than_its_scripts_need(
     with RedisServer(tmp_path / "redis", aof=False) as server, TcpProxy(server.port) as proxy:
         real = str(server.client().info("server")["redis_version"])
         proxy.report_version("6.0." + "1" * (len(real) - 4))  # as long as the real one
-        log = tmp_path / "w.log"
-        with WorkerProcess(tiny_model, proxy.url, "old", log) as worker:
-            assert worker.proc.wait(timeout=120) == 1, log.read_text()[-3000:]
-        text = log.read_text()
-        assert "Traceback" not in text
-        (line,) = [json.loads(row) for row in text.splitlines() if "too old" in row]
-        assert line["level"] == "error"
+        line = refusal(tiny_model, proxy.url, "old", tmp_path / "w.log")
         assert line["error"].startswith("Redis 6.0.1")
         assert line["error"].endswith("is too old: tokenq needs Redis 6.2 or newer")
         assert server.client().zcard("old:workers") == 0
@@ -153,12 +159,7 @@ def test_a_worker_refuses_a_redis_cluster_node(
     """The scripts name keys of many hash slots, which a cluster refuses: one line, exit 1
     (it was a traceback from the first registration)."""
     with RedisServer(tmp_path / "redis", aof=False, cluster=True) as server:
-        log = tmp_path / "w.log"
-        with WorkerProcess(tiny_model, server.url, "cluster", log) as worker:
-            assert worker.proc.wait(timeout=120) == 1, log.read_text()[-3000:]
-        text = log.read_text()
-        assert "Traceback" not in text
-        (line,) = [json.loads(row) for row in text.splitlines() if "not supported" in row]
+        line = refusal(tiny_model, server.url, "cluster", tmp_path / "w.log")
         assert line["error"] == "Redis Cluster is not supported: use a server not in cluster mode"
 
 
