@@ -81,8 +81,9 @@ REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 # under noeviction (OOM), a replica since a failover (READONLY), writes stopped after a
 # failed save (MISCONF), a long script (BUSY). A script refused at its first write has
 # written nothing, so the work is simply tried again.
+# redis-py raises OOM and READONLY as classes of their own, the others as ResponseError.
 REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
-REFUSAL_CODES = ("MISCONF ", "BUSY ", "OOM ", "READONLY ")  # (not BUSYGROUP, a bug)
+REFUSAL_CODES = ("MISCONF ", "BUSY ")  # (not BUSYGROUP, a bug)
 
 
 def passing(exc: redis.RedisError) -> bool:
