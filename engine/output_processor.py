@@ -41,8 +41,8 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids or [])[-_PROMPT_CONTEXT_TOKENS:]
         self._read = len(self._ids)
-        # The prompt's tail decoded at the first push, not here: a detokenizer is made as
-        # its request is admitted, and a burst's admission is on the way to its first step.
+        # The window's context decoded when first needed (None: not yet), not here: a
+        # detokenizer is made as its request is admitted, on the way to its first step.
         self._prefix_text: str | None = None
         self._pieces: list[str] = []
 
@@ -51,16 +51,21 @@ class IncrementalDetokenizer:
         """All text emitted so far."""
         return "".join(self._pieces)
 
+    def prepare(self) -> None:
+        """Decode the context now (a fresh one's: the prompt's tail), so that the first
+        `push`, on the way to a job's first token, decodes once instead of twice."""
+        self._prefix()
+
     def push(self, token_ids: Iterable[int]) -> str:
         """Add generated ids; return the text they completed (possibly "")."""
-        prefix = self._prefix()
         out = []
         for token_id in token_ids:
+            prefix = self._prefix()
             self._ids.append(token_id)
             new_text = self._decode(self._ids)
             if len(new_text) > len(prefix) and not new_text.endswith(_REPLACEMENT_CHAR):
                 out.append(new_text[len(prefix) :])
-                prefix = self._advance()
+                self._advance()
         return self._emit("".join(out))
 
     def flush(self) -> str:
@@ -75,12 +80,13 @@ class IncrementalDetokenizer:
             self._prefix_text = self._decode(self._ids[: self._read])
         return self._prefix_text
 
-    def _advance(self) -> str:
-        # The ids before `_read` are never decoded again: drop them, keeping the window small.
+    def _advance(self) -> None:
+        """The ids before `_read` are never decoded again: drop them, keeping the window
+        small. The new context is decoded by the next push: the last one's is never used
+        (a job's end), and a job's first token is not held up by it."""
         del self._ids[: self._read]
         self._read = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
-        return self._prefix_text
+        self._prefix_text = None
 
     def _emit(self, delta: str) -> str:
         if delta:

