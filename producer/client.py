@@ -21,6 +21,7 @@ import json
 import math
 import queue
 import random
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
@@ -430,11 +431,44 @@ def _parse_id(value: str | bytes) -> StreamId:
         raise ValueError(f"{text!r} is not a stream entry id (such as '0-0')") from None
 
 
+def _streams(reply: Any) -> list[tuple[Any, Any]]:
+    """(stream key, entries) of a raw XREAD reply: RESP2 (an array of [key, entries]) or
+    RESP3 (a map of key -> entries); none when BLOCK ran out."""
+    return list(reply.items() if isinstance(reply, dict) else reply or ())
+
+
+def wakes_with_one_stream(info: Any) -> bool:
+    """Whether a server (its INFO server answer) ends a blocked read of several streams
+    with the one whose write woke it, the others left for the next read: Redis before 7.2
+    (7.2 runs the read again and answers with every stream that has entries; Valkey
+    reports the Redis version it speaks)."""
+    text = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    found = re.search(r"^redis_version:(\d+)\.(\d+)", text, re.MULTILINE)
+    return found is not None and (int(found[1]), int(found[2])) < (7, 2)
+
+
+def _one_stream_wakes(conn: Any) -> bool:
+    """`wakes_with_one_stream` of the server behind a reader's connection; False where INFO
+    is refused (an ACL): such a reader reads on as a newer server's would."""
+    try:
+        conn.send_command("INFO", "server")
+        return wakes_with_one_stream(conn.read_response())
+    except redis.ResponseError:
+        return False
+
+
+async def _one_stream_wakes_async(conn: Any) -> bool:
+    try:
+        await conn.send_command("INFO", "server")
+        return wakes_with_one_stream(await conn.read_response())
+    except redis.ResponseError:
+        return False
+
+
 def _entries(reply: Any) -> Iterator[tuple[str, bytes, dict[bytes, bytes]]]:
     """(stream key, entry id, fields) of a raw XREAD reply: RESP2 (an array of [key,
     entries]) or RESP3 (a map of key -> entries); nil when BLOCK ran out."""
-    streams = reply.items() if isinstance(reply, dict) else reply or ()
-    for stream, entries in streams:
+    for stream, entries in _streams(reply):
         key = stream.decode() if isinstance(stream, bytes) else stream
         for entry_id, flat in entries:
             if isinstance(flat, dict):
@@ -491,6 +525,7 @@ class _Multiplex:
         self.error: Exception | None = None  # why the reads since ok_at failed
         self.failures = 0
         self.closed = False
+        self.one_stream_wakes = False  # the server's, as `wakes_with_one_stream` tells
 
     @property
     def reply_wait(self) -> float:
@@ -518,14 +553,31 @@ class _Multiplex:
         twice the time for the 130 arguments of a read of 64 streams."""
         if self.closed or not self.by_key:
             return None
+        return self._read(("BLOCK", self.config.block_ms), {})
+
+    def follow_up(self, reply: Any) -> bytes | None:
+        """The read, without BLOCK, of the other followed streams after a blocked read
+        that a server of `one_stream_wakes` ended with one: a burst of events (a step's
+        first tokens for a batch of jobs) fills them all in one call, and the caller is then
+        handed them together, as by a newer server, not the rest a wake-up later. None
+        when no such read is due."""
+        streams = _streams(reply)
+        if not self.one_stream_wakes or len(streams) != 1 or len(self.by_key) < 2:
+            return None
+        key, entries = streams[0]
+        key = key.decode() if isinstance(key, bytes) else key
+        return self._read((), {key: entries[-1][0]} if entries else {})
+
+    def _read(self, block: tuple[Any, ...], read_to: dict[str, Any]) -> bytes:
+        """An XREAD of every followed stream, each from its least advanced follower, or
+        from `read_to` (an entry a reply just brought); packed for the wire."""
         keys = list(self.by_key)
         ids = []
-        for followers in self.by_key.values():
+        for key, followers in self.by_key.items():
             first = followers[0]  # most often the only one
             if len(followers) > 1:
                 first = min(followers, key=lambda f: f.position)
-            ids.append(first.after)
-        block = ("BLOCK", self.config.block_ms)
+            ids.append(read_to.get(key, first.after))
         return hiredis.pack_command(("XREAD", "COUNT", READ_COUNT, *block, "STREAMS", *keys, *ids))
 
     def dispatch(self, reply: Any) -> None:
@@ -672,11 +724,17 @@ class _ThreadReader:
                 try:
                     if conn is None:
                         conn = pool.get_connection()
+                        self.mux.one_stream_wakes = _one_stream_wakes(conn)
                     conn.send_packed_command([command])
                     # can_read waits at most reply_wait, whatever the socket's timeout.
                     if not conn.can_read(timeout=self.mux.reply_wait):
                         raise redis.TimeoutError(f"no XREAD reply in {self.mux.reply_wait:.1f}s")
                     reply = conn.read_response()
+                    with self.lock:
+                        follow_up = self.mux.follow_up(reply)
+                    if follow_up is not None:
+                        conn.send_packed_command([follow_up])
+                        reply = _streams(reply) + _streams(conn.read_response())
                     with self.lock:
                         self.mux.dispatch(reply)
                 except Exception as exc:  # the reader must not die silently: report it all
@@ -737,11 +795,16 @@ class _TaskReader:
                 try:
                     if conn is None:
                         conn = await pool.get_connection()
+                        self.mux.one_stream_wakes = await _one_stream_wakes_async(conn)
                     async with asyncio.timeout(self.mux.reply_wait):
                         await conn.send_packed_command([command])
                         # inf: this wait alone bounds the read, not the socket's timeout
                         # (which may be shorter than the BLOCK).
                         reply = await conn.read_response(timeout=math.inf)
+                        follow_up = self.mux.follow_up(reply)
+                        if follow_up is not None:
+                            await conn.send_packed_command([follow_up])
+                            reply = _streams(reply) + _streams(await conn.read_response())
                     self.mux.dispatch(reply)
                 except Exception as exc:  # the reader must not die silently: report it all
                     error = exc

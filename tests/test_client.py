@@ -7,16 +7,21 @@ output; the worker itself is tested end to end in test_worker*.py.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import subprocess
 import sys
 import textwrap
 import threading
+import time
+from typing import Any
 
 import fakeredis
 import fakeredis.aioredis
 import pytest
 import redis
+import redis.asyncio
 
+import tokenq.producer.client as client_module
 from tests.redis_fixtures import CLIENT, queue_of
 from tokenq.producer.client import AsyncClient, Client, make_request
 from tokenq.producer.errors import ClientClosed, JobFailed, QueueFull
@@ -257,3 +262,59 @@ def test_every_cli_option_reads_its_environment_variable(monkeypatch: pytest.Mon
         "block_size": 32,
     }
     assert parse_size("512M") == 512 << 20 and parse_size("1048576") == 1 << 20
+
+
+def test_a_burst_of_events_on_many_followed_streams_reaches_the_caller_in_one_hand_off(
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis before 7.2 ends a blocked read of several streams with the one whose write
+    woke it; the reader then reads the others at once, so a step's first tokens for a batch
+    of jobs reach their caller together (not the rest a wake-up later), on any server."""
+    handed: list[int] = []  # streams per hand-off to the callers (0: a BLOCK ran out)
+    dispatch = client_module._Multiplex.dispatch
+
+    def recording(self: Any, reply: Any) -> None:
+        handed.append(len(reply or ()))  # RESP2: [key, entries] pairs; RESP3: a map
+        dispatch(self, reply)
+
+    monkeypatch.setattr(client_module._Multiplex, "dispatch", recording)
+    keys, writer = Keys(redis_namespace), redis.Redis.from_url(redis_url)
+
+    def burst_once_blocked(reader: str, jobs: list[str]) -> None:
+        """Once the named reader waits in its blocked read: one event per job, written
+        in one transaction, as one PUBLISH call writes a step's first tokens."""
+        while not any(
+            c["name"] == reader and c["cmd"] == "xread" and "b" in c["flags"]
+            for c in writer.client_list()
+        ):
+            time.sleep(0.005)
+        with writer.pipeline(transaction=True) as p:
+            for job in jobs:
+                p.xadd(keys.reply(job), encode_event(TokenEvent(0, [7], "x")))
+            p.execute()
+
+    jobs = [f"sync-{i}" for i in range(5)]
+    conn = redis.Redis.from_url(redis_url, client_name="burst-sync")
+    client = Client(conn, namespace=redis_namespace, **CLIENT)
+    threading.Thread(target=burst_once_blocked, args=("burst-sync", jobs)).start()
+    events = client.stream_many([client.job(j) for j in jobs], timeout=10)
+    assert sorted(job.id for job, _ in itertools.islice(events, len(jobs))) == jobs
+    events.close()
+    client.close()
+    assert [n for n in handed if n] == [len(jobs)]
+
+    async def follow_async(jobs: list[str]) -> list[str]:
+        aconn = redis.asyncio.Redis.from_url(redis_url, client_name="burst-async")
+        async with AsyncClient(aconn, namespace=redis_namespace, **CLIENT) as aclient:
+            seen = []
+            async for job, _ in aclient.stream_many([aclient.job(j) for j in jobs], timeout=10):
+                seen.append(job.id)
+                if len(seen) == len(jobs):
+                    break
+            return sorted(seen)
+
+    handed.clear()
+    jobs = [f"async-{i}" for i in range(5)]
+    threading.Thread(target=burst_once_blocked, args=("burst-async", jobs)).start()
+    assert asyncio.run(follow_async(jobs)) == jobs
+    assert [n for n in handed if n] == [len(jobs)]
