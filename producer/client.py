@@ -525,7 +525,9 @@ class _Multiplex:
         self.error: Exception | None = None  # why the reads since ok_at failed
         self.failures = 0
         self.closed = False
-        self.one_stream_wakes = False  # the server's, as `wakes_with_one_stream` tells
+        # The server's `wakes_with_one_stream`; None: not asked yet (again after a failure:
+        # the reader may reconnect to another server).
+        self.one_stream_wakes: bool | None = None
 
     @property
     def reply_wait(self) -> float:
@@ -615,6 +617,7 @@ class _Multiplex:
         """Record a failed read; returns the pause before the next. Redis unreachable:
         wake every waiting caller to check its retry budget. Anything else (a command
         refused, a bug): no retry helps, every follower gets the error."""
+        self.one_stream_wakes = None
         if isinstance(error, _PERMANENT) or not isinstance(error, _TRANSIENT):
             self._end_all(error)
             return 0.0
@@ -724,6 +727,7 @@ class _ThreadReader:
                 try:
                     if conn is None:
                         conn = pool.get_connection()
+                    if self.mux.one_stream_wakes is None:
                         self.mux.one_stream_wakes = _one_stream_wakes(conn)
                     conn.send_packed_command([command])
                     # can_read waits at most reply_wait, whatever the socket's timeout.
@@ -795,6 +799,7 @@ class _TaskReader:
                 try:
                     if conn is None:
                         conn = await pool.get_connection()
+                    if self.mux.one_stream_wakes is None:
                         self.mux.one_stream_wakes = await _one_stream_wakes_async(conn)
                     async with asyncio.timeout(self.mux.reply_wait):
                         await conn.send_packed_command([command])
