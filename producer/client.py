@@ -437,14 +437,20 @@ def _streams(reply: Any) -> list[tuple[Any, Any]]:
     return list(reply.items() if isinstance(reply, dict) else reply or ())
 
 
+def version_tuple(version: str) -> tuple[int, ...]:
+    """A server's `redis_version` as (major, minor), to compare; () when it has none."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+
+
 def wakes_with_one_stream(info: Any) -> bool:
     """Whether a server (its INFO server answer) ends a blocked read of several streams
     with the one whose write woke it, the others left for the next read: Redis before 7.2
     (7.2 runs the read again and answers with every stream that has entries; Valkey
     reports the Redis version it speaks)."""
     text = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
-    found = re.search(r"^redis_version:(\d+)\.(\d+)", text, re.MULTILINE)
-    return found is not None and (int(found[1]), int(found[2])) < (7, 2)
+    found = re.search(r"^redis_version:(\S+)", text, re.MULTILINE)
+    version = version_tuple(found[1]) if found else ()
+    return len(version) == 2 and version < (7, 2)
 
 
 def _one_stream_wakes(conn: Any) -> bool:

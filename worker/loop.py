@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import socket
 import threading
 import time
@@ -41,6 +40,7 @@ import structlog
 
 from tokenq.engine.prompts import Prompts
 from tokenq.engine.sampling_params import SamplingParams
+from tokenq.producer.client import version_tuple
 from tokenq.producer.protocol import (
     DONE,
     ERROR,
@@ -284,7 +284,7 @@ class Worker:
         except redis.RedisError:
             info = {}
         version = str(info.get("redis_version", ""))
-        found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+        found = version_tuple(version)
         message = None
         if found and found < MIN_REDIS:
             need = ".".join(map(str, MIN_REDIS))
