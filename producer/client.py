@@ -222,26 +222,22 @@ for lane_key, count in pairs(adds) do
   if have + count > caps[lane] then return {'full', lane, have, caps[lane], model} end
   backlogs[backlog] = count
 end
-local listed = {}  -- each queue is listed once: a burst mostly fills one
+local listed, models = {}, {}  -- each queue is listed once: a burst mostly fills one
 for _, b in ipairs(fresh) do
   local jid, model, prio, tenant = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
   redis.call('SET', ns .. ':job:' .. jid, 'queued', 'EX', ttl)
   local queue = ns .. ':jobs:' .. model .. ':' .. prio .. ':' .. tenant
   if not listed[queue] then
     redis.call('ZADD', ns .. ':queues:' .. model, prio, prio .. ':' .. tenant)
-    listed[queue] = model
+    listed[queue], models[model] = true, true
   end
   local eid = redis.call('XADD', queue, '*', 'v', ARGV[b + 5], 'id', jid, 'data', ARGV[b + 6])
   -- entry ids are unique only within a stream: the queue is part of the record
   redis.call('SET', ns .. ':entry:' .. jid, queue .. ' ' .. eid, 'EX', ttl)
 end
-local rung = {}
 for backlog, count in pairs(backlogs) do redis.call('INCRBY', backlog, count) end
-for _, model in pairs(listed) do
-  if not rung[model] then
-    redis.call('XADD', ns .. ':bell:' .. model, 'MAXLEN', '1', '*', 'b', '1')
-    rung[model] = true
-  end
+for model in pairs(models) do
+  redis.call('XADD', ns .. ':bell:' .. model, 'MAXLEN', '1', '*', 'b', '1')
 end
 return {'ok', dup}
 """
