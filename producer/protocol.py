@@ -285,10 +285,9 @@ class JobRequest:
 
         if jid is not None and (not isinstance(jid, str) or not JOB_ID_RE.fullmatch(jid)):
             raise bad(f"job id {clip(jid)} must match {JOB_ID_RE.pattern}")
-        if (self.prompt is not None) + (self.messages is not None) + (
-            self.prompt_token_ids is not None
-        ) != 1:
-            found = ", ".join(n for n in PROMPT_FIELDS if getattr(self, n) is not None) or "none"
+        given = [name for name in PROMPT_FIELDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            found = ", ".join(given) or "none"
             raise bad(f"exactly one of prompt, messages, prompt_token_ids is required ({found})")
         if self.prompt is not None:
             if not isinstance(self.prompt, str):
