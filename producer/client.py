@@ -550,6 +550,10 @@ class _Multiplex:
                 if not same_key:
                     del self.by_key[follower.key]
 
+    def followed_beside(self, sink: _Sink) -> bool:
+        """Whether a caller other than `sink`'s follows a stream."""
+        return any(f.sink is not sink for same_key in self.by_key.values() for f in same_key)
+
     def xread_command(self) -> bytes | None:
         """The next read (each stream from its least advanced follower), packed for the
         wire, or None when nothing is followed and the reader should end. Packed by
@@ -672,18 +676,38 @@ def _start(positions: dict[str, str], sink: _Sink) -> list[_Follower]:
     return [_Follower(key, _parse_id(after), sink, joined) for key, after in positions.items()]
 
 
+def _io_bound(conn: redis.Redis, config: ClientConfig) -> float:
+    """The longest one read's socket calls can wait on a server that stopped answering:
+    connecting (TCP, then up to six round trips of the handshake), INFO, the XREAD and its
+    follow-up; infinite where the connections have no socket timeout."""
+    kwargs = conn.connection_pool.connection_kwargs
+    socket_timeout = kwargs.get("socket_timeout")
+    connect_timeout = kwargs.get("socket_connect_timeout") or socket_timeout
+    if socket_timeout is None or connect_timeout is None:
+        return math.inf
+    return connect_timeout + 10 * socket_timeout + config.block_ms / 1000
+
+
 class _ThreadReader:
-    """The sync client's stream reader: one thread with one pooled connection, sending one
-    XREAD BLOCK over every followed stream and handing entries to the callers' queues.
-    Callers wait on their queues with their own deadlines, so a stuck socket never holds
-    them past their timeout. The thread ends (returning its connection) when nothing is
-    followed, and the next follower starts another."""
+    """The sync client's stream reader: one pooled connection at a time sends one XREAD
+    BLOCK over every followed stream and hands entries to the callers' queues. A caller
+    that follows alone reads on its own thread, and its events need no hand-off: on a VM
+    whose cores a worker kept busy, waking a waiting thread took up to 4 ms
+    (docs/performance.md). A thread of the reader's own reads instead while callers of
+    other queues follow too (a caller may be busy with its events for any time), and for
+    a caller whose deadline comes before its socket calls could time out; it ends
+    (returning its connection) when nothing is followed. So a stuck socket never holds a
+    caller past its timeout: it waits on its queue, or reads only when the read's every
+    wait ends first."""
 
     def __init__(self, conn: redis.Redis, config: ClientConfig) -> None:
         self.redis = conn
         self.mux = _Multiplex(config, _where(conn))
-        self.lock = threading.Lock()  # guards mux; never held across I/O
+        self.lock = threading.Lock()  # guards mux and what follows; never held across I/O
         self.thread: threading.Thread | None = None
+        self.reading = False  # a caller reads now, on its own thread
+        self.resume_at = 0.0  # after a caller's failed read: none before (its backoff)
+        self.io_bound = _io_bound(conn, config)
         self.stopped = threading.Event()  # cuts a pause short when the client closes
 
     def follow(
@@ -696,16 +720,26 @@ class _ThreadReader:
         followers = _start(positions, sink)
         with self.lock:
             self.mux.add(followers)
-            if self.thread is None and followers:
-                self.thread = threading.Thread(target=self._run, name="tokenq-reader", daemon=True)
-                self.thread.start()
         try:
             live = len(followers)
             while live:
                 with self.lock:
                     limit = self.mux.wait_limit(followers[0].joined, deadline)
+                    backoff = self.resume_at - time.monotonic()
+                    idle = self.thread is None and not self.reading  # nobody reads
+                    read_here = idle and backoff <= 0 and sink.empty()
+                    if read_here and limit is not None and limit < self.io_bound:
+                        read_here = False
+                        self._start_thread()
+                    elif idle and backoff > 0:
+                        limit = backoff if limit is None else min(limit, backoff)
+                    self.reading |= read_here
                 try:
-                    item = sink.get(timeout=limit)
+                    if read_here:
+                        self._read_here(sink)
+                        item = sink.get_nowait()
+                    else:
+                        item = sink.get(timeout=limit)
                 except queue.Empty:
                     continue
                 for key, event in _unwrap(item):
@@ -715,6 +749,61 @@ class _ThreadReader:
         finally:
             with self.lock:
                 self.mux.remove(followers)
+                self._hand_over(sink)
+
+    def _read_here(self, sink: _Sink) -> None:
+        """One read on the thread of the caller of `sink`; a failure is recorded for every
+        follower, as the thread's would be."""
+        pool = self.redis.connection_pool
+        conn = None
+        try:
+            with self.lock:
+                command = self.mux.xread_command()
+            if command is None:
+                return  # closed: the callers have their ClientClosed
+            conn = pool.get_connection()
+            if not self._read(conn, command, self.mux.reply_wait):
+                raise redis.TimeoutError(f"no XREAD reply in {self.mux.reply_wait:.1f}s")
+        except Exception as exc:  # as the thread's: every follower hears of it
+            if conn is not None:
+                conn.disconnect()
+            with self.lock:
+                self.resume_at = time.monotonic() + self.mux.failed(exc)
+        finally:
+            if conn is not None:
+                pool.release(conn)
+            with self.lock:
+                self.reading = False
+                self._hand_over(sink)
+
+    def _hand_over(self, sink: _Sink) -> None:
+        """(Lock held.) Start the thread when callers other than `sink`'s follow and
+        nobody reads for them: the caller that read last may now be busy with its events."""
+        if self.thread is None and not self.reading and self.mux.followed_beside(sink):
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="tokenq-reader", daemon=True)
+        self.thread.start()
+
+    def _read(self, conn: Any, command: bytes, wait: float) -> bool:
+        """Send one XREAD (and on a server that wakes with one stream, its follow-up) and
+        hand what it brings to the callers; False if no reply came within `wait`
+        (can_read waits at most that, whatever the socket's timeout)."""
+        if self.mux.one_stream_wakes is None:
+            self.mux.one_stream_wakes = _one_stream_wakes(conn)
+        conn.send_packed_command([command])
+        if not conn.can_read(timeout=wait):
+            return False
+        reply = conn.read_response()
+        with self.lock:
+            follow_up = self.mux.follow_up(reply)
+        if follow_up is not None:
+            conn.send_packed_command([follow_up])
+            reply = _streams(reply) + _streams(conn.read_response())
+        with self.lock:
+            self.mux.dispatch(reply)
+        return True
 
     def _run(self) -> None:
         pool = self.redis.connection_pool
@@ -729,20 +818,8 @@ class _ThreadReader:
                 try:
                     if conn is None:
                         conn = pool.get_connection()
-                    if self.mux.one_stream_wakes is None:
-                        self.mux.one_stream_wakes = _one_stream_wakes(conn)
-                    conn.send_packed_command([command])
-                    # can_read waits at most reply_wait, whatever the socket's timeout.
-                    if not conn.can_read(timeout=self.mux.reply_wait):
+                    if not self._read(conn, command, self.mux.reply_wait):
                         raise redis.TimeoutError(f"no XREAD reply in {self.mux.reply_wait:.1f}s")
-                    reply = conn.read_response()
-                    with self.lock:
-                        follow_up = self.mux.follow_up(reply)
-                    if follow_up is not None:
-                        conn.send_packed_command([follow_up])
-                        reply = _streams(reply) + _streams(conn.read_response())
-                    with self.lock:
-                        self.mux.dispatch(reply)
                 except Exception as exc:  # the reader must not die silently: report it all
                     if conn is not None:
                         conn.disconnect()  # a reply may still be on its way: start clean

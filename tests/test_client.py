@@ -318,3 +318,47 @@ def test_a_burst_of_events_on_many_followed_streams_reaches_the_caller_in_one_ha
     threading.Thread(target=burst_once_blocked, args=("burst-async", jobs)).start()
     assert asyncio.run(follow_async(jobs)) == jobs
     assert [n for n in handed if n] == [len(jobs)]
+
+
+def test_a_lone_caller_reads_its_streams_on_its_own_thread(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Its events reach it with no hand-off from another thread (which a host whose cores
+    a worker keeps busy may wake milliseconds late); once a second caller follows too, the
+    reader's thread reads for both, since either may be busy with its events for long."""
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    writer = redis.Redis.from_url(redis_url)
+
+    def reader_threads() -> int:  # this client's (those of the tests before may linger)
+        return int(client._reader.thread is not None)
+
+    def write_slowly(job_id: str) -> None:
+        for event in REPLY:
+            time.sleep(0.02)
+            write_reply(writer, client.keys, job_id, [event])
+
+    def follow(job_id: str, seen: list[int]) -> list[str]:
+        types = []
+        for event in client.job(job_id).stream():
+            seen.append(reader_threads())
+            types.append(event.type)
+        return types
+
+    threading.Thread(target=write_slowly, args=("alone",)).start()
+    seen_alone: list[int] = []
+    assert follow("alone", seen_alone) == [e.type for e in REPLY]
+    assert seen_alone == [0] * len(REPLY)
+
+    seen_first: list[int] = []
+    first = threading.Thread(target=follow, args=("first", seen_first))
+    first.start()
+    time.sleep(0.05)  # it reads now, blocked on its stream
+    for job_id in ("first", "second"):
+        threading.Thread(target=write_slowly, args=(job_id,)).start()
+    seen_second: list[int] = []
+    assert follow("second", seen_second) == [e.type for e in REPLY]
+    first.join(5)
+    assert len(seen_first) == len(REPLY)
+    assert 1 in seen_first + seen_second  # the reader's thread read for both
+    client.close()
+    writer.close()

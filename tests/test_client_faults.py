@@ -101,13 +101,21 @@ def assert_whole_reply(events: list[Event], n_tokens: int) -> None:
 # --- restarts and outages --------------------------------------------------------------
 
 
-def test_stream_rides_out_a_restart_without_gap_or_repeat(server: RedisServer) -> None:
+# A caller that follows alone reads on its own thread unless its deadline could come
+# before its socket calls time out (then the reader's thread reads): both ride it out.
+READERS = pytest.mark.parametrize("timeout", [20, None], ids=["reader-thread", "caller-thread"])
+
+
+@READERS
+def test_stream_rides_out_a_restart_without_gap_or_repeat(
+    server: RedisServer, timeout: float | None
+) -> None:
     client = Client(server.url, namespace=NS, **CLIENT)
     writer = Writer(server.port, ["j"], reply(40), pause=0.02)
     restart = threading.Timer(0.3, server.restart, kwargs={"down_for": 0.5})
     writer.start()
     restart.start()
-    events = list(client.job("j").stream(timeout=20))
+    events = list(client.job("j").stream(timeout=timeout))
     restart.join()
     writer.join()
     assert writer.outage_hits > 0  # the restart came while the reply was being written
@@ -268,7 +276,8 @@ def test_async_result_timeout_holds_with_redis_frozen(server: RedisServer) -> No
 # --- many callers, one connection ------------------------------------------------------
 
 
-def test_120_sync_readers_share_one_connection(tmp_path: Path) -> None:
+@READERS
+def test_120_sync_readers_share_one_connection(tmp_path: Path, timeout: float | None) -> None:
     with RedisServer(tmp_path, aof=False) as server:
         client = Client(server.url, namespace=NS, **CLIENT)
         job_ids = [f"j{i}" for i in range(120)]
@@ -277,7 +286,7 @@ def test_120_sync_readers_share_one_connection(tmp_path: Path) -> None:
 
         def read(job_id: str) -> None:
             try:
-                got[job_id] = list(client.job(job_id).stream(timeout=20))
+                got[job_id] = list(client.job(job_id).stream(timeout=timeout))
             except BaseException as exc:
                 failures.append(exc)
 
