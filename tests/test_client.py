@@ -362,3 +362,28 @@ def test_a_lone_caller_reads_its_streams_on_its_own_thread(
     assert 1 in seen_first + seen_second  # the reader's thread read for both
     client.close()
     writer.close()
+
+
+@pytest.mark.parametrize("timeout", [None, 5], ids=["caller-thread", "reader-thread"])
+def test_closing_the_client_ends_a_waiting_stream_at_once(
+    redis_url: str, redis_namespace: str, timeout: float | None
+) -> None:
+    """Whether the caller reads (no timeout) or waits for the reader's thread (a timeout
+    shorter than its socket calls could block), close() ends its stream with ClientClosed."""
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    ended: list[tuple[type, float]] = []
+
+    def follow() -> None:
+        try:
+            list(client.job("silent").stream(timeout=timeout))
+        except Exception as exc:
+            ended.append((type(exc), time.monotonic()))
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    time.sleep(0.3)  # it waits in its read now
+    closed_at = time.monotonic()
+    client.close()
+    follower.join(3)
+    assert [kind for kind, _ in ended] == [ClientClosed]
+    assert ended[0][1] - closed_at < 0.5
