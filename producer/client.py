@@ -762,8 +762,7 @@ class _ThreadReader:
             if command is None:
                 return  # closed: the callers have their ClientClosed
             conn = pool.get_connection()
-            if not self._read(conn, command, self.mux.reply_wait):
-                raise redis.TimeoutError(f"no XREAD reply in {self.mux.reply_wait:.1f}s")
+            self._read(conn, command)
         except Exception as exc:  # as the thread's: every follower hears of it
             if conn is not None:
                 conn.disconnect()
@@ -786,15 +785,16 @@ class _ThreadReader:
         self.thread = threading.Thread(target=self._run, name="tokenq-reader", daemon=True)
         self.thread.start()
 
-    def _read(self, conn: Any, command: bytes, wait: float) -> bool:
+    def _read(self, conn: Any, command: bytes) -> None:
         """Send one XREAD (and on a server that wakes with one stream, its follow-up) and
-        hand what it brings to the callers; False if no reply came within `wait`
-        (can_read waits at most that, whatever the socket's timeout)."""
+        hand what it brings to the callers. Raises redis.TimeoutError if no reply came
+        within `reply_wait` (can_read waits at most that, whatever the socket's timeout)."""
         if self.mux.one_stream_wakes is None:
             self.mux.one_stream_wakes = _one_stream_wakes(conn)
         conn.send_packed_command([command])
+        wait = self.mux.reply_wait
         if not conn.can_read(timeout=wait):
-            return False
+            raise redis.TimeoutError(f"no XREAD reply in {wait:.1f}s")
         reply = conn.read_response()
         with self.lock:
             follow_up = self.mux.follow_up(reply)
@@ -803,7 +803,6 @@ class _ThreadReader:
             reply = _streams(reply) + _streams(conn.read_response())
         with self.lock:
             self.mux.dispatch(reply)
-        return True
 
     def _run(self) -> None:
         pool = self.redis.connection_pool
@@ -818,8 +817,7 @@ class _ThreadReader:
                 try:
                     if conn is None:
                         conn = pool.get_connection()
-                    if not self._read(conn, command, self.mux.reply_wait):
-                        raise redis.TimeoutError(f"no XREAD reply in {self.mux.reply_wait:.1f}s")
+                    self._read(conn, command)
                 except Exception as exc:  # the reader must not die silently: report it all
                     if conn is not None:
                         conn.disconnect()  # a reply may still be on its way: start clean
