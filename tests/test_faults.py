@@ -719,3 +719,36 @@ def test_the_engine_keeps_stepping_while_redis_stalls(
         assert steps_during >= 20, f"only {steps_during} engine steps while Redis slept 1 s"
         run.check(tiny_model)
         client.close()
+
+
+def test_a_stop_while_redis_is_frozen_waits_out_two_socket_timeouts_at_most(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """SIGTERM's path with Redis frozen (SIGSTOP) under running jobs. The worker cannot hand
+    its jobs back and leaves them to another worker's XAUTOCLAIM, but it must not wait out a
+    socket timeout for each of its timers' calls (events, heartbeat, metrics, registry) in
+    turn first: after the grace, at most the call each Redis thread is in, then the last
+    publish. The other worker then finishes every job, once."""
+    timeout = 1.0
+    with RedisServer(tmp_path / "redis", aof=False) as server:
+        client = Client(server.url, namespace="frozen", **CLIENT)
+        run = Run.submit(client, 8, 400)
+        timers = {"claim_idle_ms": 1000, "registry_interval_s": 0.2}
+        conn = redis.Redis.from_url(server.url, socket_timeout=timeout)
+        worker = Worker(make_engine(tiny_model), conn, fast_config("frozen", **timers))
+        serving = WorkerThread(worker)
+        with serving:
+            wait_for(lambda: min(run.tokens_so_far()) > 20)
+            server.freeze()
+            frozen = time.monotonic()
+            worker.stop(grace=0.2)
+            serving.thread.join(timeout=30)
+            took = time.monotonic() - frozen
+            server.thaw()
+        assert took < 0.2 + 2 * timeout + 1.0, f"stopping took {took:.1f} s"
+        other = fast_config("frozen", consumer="other", **timers)
+        with WorkerThread(Worker(make_engine(tiny_model), server.client(), other)):
+            wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
+        run.check(tiny_model)
+        client.close()

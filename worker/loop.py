@@ -714,22 +714,31 @@ class Worker:
 
     def _publish_pass(self, wait: float) -> None:
         """Wait for engine outputs (or a settlement to send), turn them into events, and
-        publish everything owed; heartbeats and metrics on their timers."""
+        publish everything owed; heartbeats and metrics on their timers. Whatever happened,
+        the engine is paused while more events are owed than the outbox may hold."""
         now = time.monotonic()
         due = min(self._next_metrics, self._next_register)
         if self.in_flight:
             heartbeat = 0.0 if self._heartbeat_at_once else self._next_heartbeat
             due = min(due, heartbeat, self._publish_due())
         self._collect_outputs(max(0.0, min(wait, due - now)))
-        if not self._publish_backoff.ready():
+        if self._publish_backoff.ready():
+            self._publish_owed()
+        else:
             time.sleep(min(wait, max(0.0, self._publish_backoff.until - time.monotonic())))
-            return
+        self.driver.paused = self._outbox_size() >= self.config.max_outbox_events
+
+    def _publish_owed(self) -> None:
+        """The events owed, then heartbeats, metrics and the registry on their timers. The
+        first call that fails ends the pass: each of the others would wait out the same
+        silent server for a socket timeout before this thread saw a stop or new outputs."""
         now = time.monotonic()
         on_time = now >= self._publish_due()
         if self._settling or (self.in_flight and (self._urgent or on_time)):
             self._urgent = False
             self._last_publish = now
-            self._redis(self._publish, self._publish_backoff)
+            if not self._redis(self._publish, self._publish_backoff):
+                return
         now = time.monotonic()
         interval: float = self.config.heartbeat_interval_s  # type: ignore[assignment]
         if not self.in_flight:
@@ -740,14 +749,15 @@ class Worker:
         elif self._heartbeat_at_once or now >= self._next_heartbeat:
             self._heartbeat_at_once = False  # before the heartbeat reads what is in flight
             self._next_heartbeat = now + interval
-            self._redis(self._heartbeat, self._publish_backoff)
+            if not self._redis(self._heartbeat, self._publish_backoff):
+                return
         if now >= self._next_metrics:
             self._next_metrics = now + self.config.metrics_interval_s
-            self._redis(self._publish_metrics, self._publish_backoff)
+            if not self._redis(self._publish_metrics, self._publish_backoff):
+                return
         if now >= self._next_register:
             self._next_register = now + self.config.registry_interval_s
             self._redis(self.register, self._publish_backoff)
-        self.driver.paused = self._outbox_size() >= self.config.max_outbox_events
 
     def _publish_due(self) -> float:
         """When the next publish is due: a stream interval after the last one when events
