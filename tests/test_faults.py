@@ -752,3 +752,39 @@ def test_a_stop_while_redis_is_frozen_waits_out_two_socket_timeouts_at_most(
             wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
         run.check(tiny_model)
         client.close()
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["threads", "two-processes"])
+def test_the_engine_stops_once_what_a_frozen_redis_is_owed_fills_the_outbox(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+    split: bool,
+) -> None:
+    """Redis frozen (SIGSTOP) while 8 jobs run, an outbox of 64 events: the publisher
+    waits in a Redis call, and the engine must still stop after about 64 / 8 steps, not
+    run its jobs to their end into memory; after the thaw every job ends once, whole."""
+    with RedisServer(tmp_path / "redis", aof=False) as server:
+        client = Client(server.url, namespace="owed", **CLIENT)
+        run = Run.submit(client, 8, 600)
+        config = fast_config("owed", max_outbox_events=64, claim_idle_ms=30_000)
+        worker: Worker | EngineHost
+        if split:
+            worker = EngineHost(make_engine(tiny_model), server.url, config)
+            worker.start()
+        else:
+            conn = redis.Redis.from_url(server.url, socket_timeout=10)
+            worker = Worker(make_engine(tiny_model), conn, config)
+        with WorkerThread(worker):
+            wait_for(lambda: min(run.tokens_so_far()) > 20)
+            engine = worker.driver.engine
+            before = engine.stats().counters["steps"]
+            server.freeze()
+            time.sleep(1.0)
+            stepped = engine.stats().counters["steps"] - before
+            time.sleep(1.0)
+            assert engine.stats().counters["steps"] - before == stepped  # it stays stopped
+            server.thaw()
+            wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=60)
+        assert stepped <= 64 // 8 + 4, f"{stepped} steps with Redis frozen"
+        run.check(tiny_model)
+        client.close()

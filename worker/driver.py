@@ -9,6 +9,7 @@ whatever Redis is doing, and the engine is never touched by two threads at once.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -67,6 +68,14 @@ class Failed:
 Output = list["RequestDelta"] | Refused | Failed
 
 
+def weight(output: object) -> int:
+    """What an item of the outputs queue counts towards the bound on what is owed: its
+    deltas, or one for a refusal or a failure; the Redis side's own wake-ups nothing."""
+    if isinstance(output, list):
+        return len(output)
+    return 1 if isinstance(output, (Refused, Failed)) else 0
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """What the Redis side reads of the engine, taken between two steps."""
@@ -91,6 +100,27 @@ class EngineView:
         self.state = state  # replaced whole, never mutated
         self._sent = 0  # Add commands sent; state.applied of them applied
         self.freed = threading.Event()  # set whenever a step or an abort frees a slot
+        # The bound on what is owed to Redis (WorkerConfig.max_outbox_events), kept where
+        # the outputs come out, so that it holds while the publisher waits on Redis: `room`
+        # is the outbox's free space as of the publisher's last pass; `queued` and
+        # `collected` count the deltas put on the outputs queue (by its one writer) and
+        # taken off it (by the publisher). No step runs while they fill that room.
+        self.room: float = math.inf
+        self.queued = 0
+        self.collected = 0
+
+    @property
+    def owed(self) -> int:
+        """Deltas on the outputs queue that the publisher has not taken yet."""
+        return self.queued - self.collected
+
+    @property
+    def backed_up(self) -> bool:
+        return self.owed >= self.room
+
+    def set_room(self, room: float) -> None:
+        """From the publisher, after each pass."""
+        self.room = room
 
     @property
     def stats(self) -> EngineStats:
@@ -126,8 +156,8 @@ class EngineDriver(EngineView):
         self._commands: queue.SimpleQueue[list[Add] | Abort] = queue.SimpleQueue()
         self.outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
         self._applied = 0
-        # Set by the Redis side while it cannot publish fast enough: no step runs, so the
-        # events waiting to be published stop growing.
+        # Set by a queue process while it cannot publish fast enough (its own `room`: the
+        # two-process host), as `backed_up` is here: no step runs.
         self.paused = False
         self._held: list[Abort] = []  # came during a pass: applied after it
         # What a step calls between two layers; the two-process host wraps it.
@@ -155,11 +185,12 @@ class EngineDriver(EngineView):
     def pump(self, wait: float = 0.0) -> bool:
         """Apply waiting commands, then run one step if the engine holds work. With no
         work, wait up to `wait` seconds for a command first. True if a step ran."""
-        idle = self.paused or not self.engine.has_unfinished()
+        held = self.paused or self.backed_up
+        idle = held or not self.engine.has_unfinished()
         if self._apply(wait if idle else 0.0) and self.snapshot_each_step:
             self.snapshot()  # else nothing changed since the last step's
         stepped = False
-        if self.engine.has_unfinished() and not self.paused:
+        if self.engine.has_unfinished() and not held:
             stepped = True
             try:
                 outputs = self.engine.step(self.between_layers)
@@ -168,10 +199,10 @@ class EngineDriver(EngineView):
                 dropped = list(self.engine.requests)
                 for job_id in dropped:
                     self.engine.abort(job_id)  # handed back by the Redis side
-                self.outputs.put(Failed(list(exc.outputs), error, dropped))
+                self._put(Failed(list(exc.outputs), error, dropped))
             else:
                 if outputs:
-                    self.outputs.put(outputs)
+                    self._put(outputs)
             if self.snapshot_each_step:
                 self.snapshot()
         return stepped
@@ -193,7 +224,7 @@ class EngineDriver(EngineView):
             return False
         outputs = self.engine.step_ahead()
         if outputs:
-            self.outputs.put(outputs)
+            self._put(outputs)
         if self.snapshot_each_step:
             self.snapshot()
         return bool(outputs)
@@ -230,7 +261,7 @@ class EngineDriver(EngineView):
     def _abort(self, command: Abort) -> None:
         out = self.engine.abort(command.job_id)
         if out is not None:
-            self.outputs.put([out])
+            self._put([out])
 
     def _start(self, add: Add) -> None:
         try:
@@ -243,9 +274,13 @@ class EngineDriver(EngineView):
                 deadline=add.deadline,
             )
         except InvalidRequest as exc:
-            self.outputs.put(Refused(add.job_id, exc.code, exc.message))
+            self._put(Refused(add.job_id, exc.code, exc.message))
         except Exception as exc:  # the engine must not take the worker down for one job
-            self.outputs.put(Refused(add.job_id, "internal_error", describe(exc)))
+            self._put(Refused(add.job_id, "internal_error", describe(exc)))
+
+    def _put(self, output: Output) -> None:
+        self.queued += weight(output)
+        self.outputs.put(output)
 
     def snapshot(self) -> None:
         self._update(Snapshot.of(self.engine, self._applied))

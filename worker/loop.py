@@ -56,7 +56,7 @@ from tokenq.producer.protocol import (
     reply_seq,
 )
 from tokenq.worker.config import WorkerConfig
-from tokenq.worker.driver import Add, EngineDriver, Failed, Refused
+from tokenq.worker.driver import Add, EngineDriver, Failed, Refused, weight
 from tokenq.worker.heap import frozen_heap
 from tokenq.worker.intake import (
     Rejection,
@@ -423,7 +423,7 @@ class Worker:
         """Entries to take now, per lane (interactive, default, batch): what the engine
         admits of each, counting lower-priority work it would preempt; none while the
         events owed to Redis pile up (Redis is slower than the engine)."""
-        if self._outbox_size() >= self.config.max_outbox_events // 2:
+        if self._outbox_size() + self.driver.owed >= self.config.max_outbox_events // 2:
             return [0, 0, 0]
         return list(self.driver.free_slots)
 
@@ -715,7 +715,7 @@ class Worker:
     def _publish_pass(self, wait: float) -> None:
         """Wait for engine outputs (or a settlement to send), turn them into events, and
         publish everything owed; heartbeats and metrics on their timers. Whatever happened,
-        the engine is paused while more events are owed than the outbox may hold."""
+        tell the engine how much more the outbox may take (`EngineView.set_room`)."""
         now = time.monotonic()
         due = min(self._next_metrics, self._next_register)
         if self.in_flight:
@@ -726,7 +726,7 @@ class Worker:
             self._publish_owed()
         else:
             time.sleep(min(wait, max(0.0, self._publish_backoff.until - time.monotonic())))
-        self.driver.paused = self._outbox_size() >= self.config.max_outbox_events
+        self.driver.set_room(self.config.max_outbox_events - self._outbox_size())
 
     def _publish_owed(self) -> None:
         """The events owed, then heartbeats, metrics and the registry on their timers. The
@@ -787,6 +787,7 @@ class Worker:
             except queue.Empty:
                 break
         for item in items:
+            self.driver.collected += weight(item)
             if isinstance(item, list):
                 for out in item:
                     self._collect(out)

@@ -63,6 +63,7 @@ from tokenq.worker.driver import (
     Output,
     Refused,
     Snapshot,
+    weight,
 )
 from tokenq.worker.heap import frozen_heap
 from tokenq.worker.logs import configure_logging
@@ -445,7 +446,9 @@ class RemoteEngine(EngineView):
         )
         self._send_lock = threading.Lock()  # intake, publisher and shutdown all send
         self.outputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._paused = False
+        self._pause_lock = threading.Lock()
+        self._paused = False  # what backed_up said last
+        self._told_paused = False  # what the engine was told last
         self.on_stop: Callable[[float | None], None] = lambda grace: None  # Worker.stop
         self._gone = threading.Event()  # the pipe closed: the engine's process ended
         self._told = False  # EngineGone raised
@@ -465,26 +468,44 @@ class RemoteEngine(EngineView):
     def prepare_texts(self) -> None:
         self.texts.prepare()
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
+    def set_room(self, room: float) -> None:
+        super().set_room(room)
+        self._pause_if_backed_up()
 
-    @paused.setter
-    def paused(self, value: bool) -> None:
-        if value != self._paused:
-            self._paused = value
-            self._send(Pause(value))
+    def _pause_if_backed_up(self, reader: bool = False) -> None:
+        """Pause the engine while what is owed fills the room, resume it once not; from
+        the publisher, as it sets the room, and from the reader, as outputs come in."""
+        with self._pause_lock:  # each thread decides on the other's latest counts
+            backed_up = self.backed_up
+            if backed_up == self._paused:
+                return
+            self._paused = backed_up
+        if reader:
+            threading.Thread(target=self._send_pause).start()  # the reader never writes
+        else:
+            self._send_pause()
+
+    def _send_pause(self) -> None:
+        """The latest pause state, unless the engine has it: sent from two threads, the
+        last send is never an older state."""
+        with self._send_lock:
+            if self._paused != self._told_paused:
+                self._told_paused = self._paused
+                self._send_locked(Pause(self._paused))
 
     def _send(self, command: Any) -> None:
         """A command for the engine; dropped once its process is gone (the jobs it was
         about are handed back then)."""
         with self._send_lock:
-            if self._gone.is_set():
-                return
-            try:
-                self._conn.send(command)
-            except OSError:
-                self._gone.set()
+            self._send_locked(command)
+
+    def _send_locked(self, command: Any) -> None:
+        if self._gone.is_set():
+            return
+        try:
+            self._conn.send(command)
+        except OSError:
+            self._gone.set()
 
     def _read(self) -> None:
         try:
@@ -497,8 +518,11 @@ class RemoteEngine(EngineView):
                 for output in outputs:
                     if isinstance(output, list):
                         output = [_delta(f) for f in output]
-                    self.outputs.put(self.texts.output(output))
+                    output = self.texts.output(output)
+                    self.queued += weight(output)
+                    self.outputs.put(output)
                 self._update(state)
+                self._pause_if_backed_up(reader=True)
         except (EOFError, OSError):
             self._gone.set()
             self.freed.set()  # an intake waiting for a slot sees the end at once
