@@ -344,7 +344,14 @@ def test_a_lone_caller_reads_its_streams_on_its_own_thread(
             types.append(event.type)
         return types
 
-    threading.Thread(target=write_slowly, args=("alone",)).start()
+    def write(job_id: str) -> threading.Thread:
+        thread = threading.Thread(target=write_slowly, args=(job_id,))
+        writers.append(thread)
+        thread.start()
+        return thread
+
+    writers: list[threading.Thread] = []
+    write("alone")
     seen_alone: list[int] = []
     assert follow("alone", seen_alone) == [e.type for e in REPLY]
     assert seen_alone == [0] * len(REPLY)
@@ -354,12 +361,14 @@ def test_a_lone_caller_reads_its_streams_on_its_own_thread(
     first.start()
     time.sleep(0.05)  # it reads now, blocked on its stream
     for job_id in ("first", "second"):
-        threading.Thread(target=write_slowly, args=(job_id,)).start()
+        write(job_id)
     seen_second: list[int] = []
     assert follow("second", seen_second) == [e.type for e in REPLY]
     first.join(5)
     assert len(seen_first) == len(REPLY)
     assert 1 in seen_first + seen_second  # the reader's thread read for both
+    for thread in writers:  # each may still be on its way back from its last write
+        thread.join(5)
     client.close()
     writer.close()
 
