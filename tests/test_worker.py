@@ -39,11 +39,12 @@ from tokenq.engine.outputs import RequestDelta
 from tokenq.producer.client import Client, make_request
 from tokenq.producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
 from tokenq.worker.cli import build_parser, worker_kwargs
+from tokenq.worker.config import WorkerConfig
 from tokenq.worker.driver import Add, EngineDriver, Failed, Refused
 from tokenq.worker.logs import configure_logging
 from tokenq.worker.loop import EMPTIED_FOR_BLOCKS, Worker
 from tokenq.worker.scripts import Scripts, TakeResult
-from tokenq.worker.split import NOT_SENT, Detokenizing, make_worker
+from tokenq.worker.split import NOT_SENT, Detokenizing, connect, make_worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -758,3 +759,17 @@ def test_the_demo_runs_its_jobs_through_an_embedded_fakeredis_at_once(tmp_path: 
     assert out.returncode == 0, out.stderr[-3000:]
     assert "4 jobs," in out.stdout and "Traceback" not in out.stderr
     assert time.monotonic() - started < 45
+
+
+@pytest.mark.parametrize("block_ms", [100, 8000])
+def test_the_workers_reads_time_out_but_never_within_its_longest_block(
+    redis_url: str, block_ms: int
+) -> None:
+    """A Redis that stops answering must end each call with a timeout, to be waited out
+    with backoff (redis-py before 8 reads without one by default); and the doorbell's
+    blocked XREAD, block_ms long, must never be cut by it."""
+    config = WorkerConfig(served_names=("m",), block_ms=block_ms)
+    conn = connect(redis_url, config)
+    timeout = conn.connection_pool.connection_kwargs["socket_timeout"]
+    assert timeout is not None and block_ms / 1000 < timeout <= block_ms / 1000 + 10
+    conn.close()

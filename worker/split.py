@@ -568,12 +568,19 @@ def make_worker(
         host = EngineHost(engine, redis_url, config, logs)
         host.start()
         return host
-    return Worker(engine, connect(redis_url), config)
+    return Worker(engine, connect(redis_url, config), config)
 
 
-def connect(redis_url: str) -> redis.Redis:
-    """The worker's connection, in whichever process its Redis side runs."""
-    return redis.Redis.from_url(redis_url, socket_connect_timeout=5, **keepalive_for(redis_url))
+def connect(redis_url: str, config: WorkerConfig) -> redis.Redis:
+    """The worker's connection, in whichever process its Redis side runs. Every read has
+    a timeout, past its longest block, so that a Redis that stops answering is waited
+    out with backoff like one that refuses (redis-py before 8 waits forever by default)."""
+    return redis.Redis.from_url(
+        redis_url,
+        socket_connect_timeout=5,
+        socket_timeout=5 + config.block_ms / 1000,
+        **keepalive_for(redis_url),
+    )
 
 
 def serve_queue(
@@ -592,7 +599,7 @@ def serve_queue(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(json=logs.json, level=logs.level)
     engine = RemoteEngine(conn, state, engine_pid, prompts.tokenizer)
-    worker = Worker(prompts, connect(redis_url), config, driver=engine)
+    worker = Worker(prompts, connect(redis_url, config), config, driver=engine)
     engine.on_stop = worker.stop
     conn.send(READY)
     try:
