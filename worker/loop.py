@@ -930,13 +930,15 @@ class Worker:
         )
 
     def _lose(self, inf: InFlight) -> None:
-        """Another worker took this job over (we looked dead): stop without a trace.
-        Called with the lock held."""
+        """Another worker took this job over (we looked dead), or Redis lost its entry (a
+        restart with no persistence): stop without a trace. Called with the lock held."""
         jid = inf.job.job_id
         assert jid is not None
         self.in_flight.pop(jid, None)
         self.driver.abort(jid)
-        self._job_log(jid).warning("job taken over by another worker; dropped here")
+        self._job_log(jid).warning(
+            "job taken over by another worker, or its entry gone from redis; dropped here"
+        )
 
     # -- ownership -------------------------------------------------------------------------
 
