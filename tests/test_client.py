@@ -344,11 +344,10 @@ def test_a_lone_caller_reads_its_streams_on_its_own_thread(
             types.append(event.type)
         return types
 
-    def write(job_id: str) -> threading.Thread:
+    def write(job_id: str) -> None:
         thread = threading.Thread(target=write_slowly, args=(job_id,))
         writers.append(thread)
         thread.start()
-        return thread
 
     writers: list[threading.Thread] = []
     write("alone")

@@ -47,7 +47,7 @@ from tokenq.producer.protocol import (
 )
 from tokenq.worker import loop
 from tokenq.worker.loop import Worker
-from tokenq.worker.split import EngineHost
+from tokenq.worker.split import make_worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -690,11 +690,11 @@ def test_a_full_redis_stalls_publishing_and_every_job_still_ends_once_whole(
         client.close()
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["threads", "two-processes"])
+@pytest.mark.parametrize("side", ["threads", "process"], ids=["threads", "two-processes"])
 def test_the_engine_keeps_stepping_while_redis_stalls(
     tiny_model: Path,  # noqa: F811
     tmp_path: Path,
-    split: bool,
+    side: str,
 ) -> None:
     """Redis frozen for a second (DEBUG SLEEP) while jobs run: the engine steps on through
     it (its events wait in the outboxes), and every job still ends once, seamlessly; with
@@ -703,13 +703,7 @@ def test_the_engine_keeps_stepping_while_redis_stalls(
         client = Client(server.url, namespace="stall", **CLIENT)
         run = Run.submit(client, 8, 400)
         config = fast_config("stall", claim_idle_ms=5000)
-        worker: Worker | EngineHost
-        if split:
-            worker = EngineHost(make_engine(tiny_model), server.url, config)
-            worker.start()
-        else:
-            conn = redis.Redis.from_url(server.url, socket_timeout=5)
-            worker = Worker(make_engine(tiny_model), conn, config)
+        worker = make_worker(make_engine(tiny_model), server.url, config, side)
         with WorkerThread(worker):
             wait_for(lambda: min(run.tokens_so_far()) > 20)
             steps_before = worker.driver.engine.stats().counters["steps"]
@@ -754,11 +748,11 @@ def test_a_stop_while_redis_is_frozen_waits_out_two_socket_timeouts_at_most(
         client.close()
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["threads", "two-processes"])
+@pytest.mark.parametrize("side", ["threads", "process"], ids=["threads", "two-processes"])
 def test_the_engine_stops_once_what_a_frozen_redis_is_owed_fills_the_outbox(
     tiny_model: Path,  # noqa: F811
     tmp_path: Path,
-    split: bool,
+    side: str,
 ) -> None:
     """Redis frozen (SIGSTOP) while 8 jobs run, an outbox of 64 events: the publisher
     waits in a Redis call, and the engine must still stop after about 64 / 8 steps, not
@@ -767,13 +761,7 @@ def test_the_engine_stops_once_what_a_frozen_redis_is_owed_fills_the_outbox(
         client = Client(server.url, namespace="owed", **CLIENT)
         run = Run.submit(client, 8, 600)
         config = fast_config("owed", max_outbox_events=64, claim_idle_ms=30_000)
-        worker: Worker | EngineHost
-        if split:
-            worker = EngineHost(make_engine(tiny_model), server.url, config)
-            worker.start()
-        else:
-            conn = redis.Redis.from_url(server.url, socket_timeout=10)
-            worker = Worker(make_engine(tiny_model), conn, config)
+        worker = make_worker(make_engine(tiny_model), server.url, config, side)
         with WorkerThread(worker):
             wait_for(lambda: min(run.tokens_so_far()) > 20)
             engine = worker.driver.engine
