@@ -310,6 +310,51 @@ def test_a_killed_queue_process_ends_the_worker_and_its_jobs_wait_for_another(
     check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_frozen_queue_process_stops_the_engine_and_its_jobs_end_whole_after_the_thaw(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    tmp_path: Path,
+) -> None:
+    """The engine's process keeps stepping only while the pipe to a queue process that
+    stopped reading (SIGSTOP, a swapped-out or debugged process) has room: then it waits
+    in its write, holding nothing more, and the jobs go on where they were at the thaw.
+    Every step is a write here (`--stream-interval 0`), so the pipe fills long before the
+    jobs could end."""
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    conn = client.redis
+    jobs, requests = submit(client, 8, LONG)
+    extra = ["--stream-interval", "0", "--max-num-seqs", "8"]
+    log = tmp_path / "w.log"
+    with WorkerProcess(tiny_model, redis_url, redis_namespace, log, extra=extra) as worker:
+        wait_started(conn, client, jobs)
+        queue_pid = worker.queue_pid()
+        os.kill(queue_pid, signal.SIGSTOP)
+        try:
+            time.sleep(3)
+            used = cpu_seconds(worker.pid)
+            time.sleep(1)
+            assert cpu_seconds(worker.pid) - used < 0.2  # waiting in its write, not stepping
+        finally:
+            os.kill(queue_pid, signal.SIGCONT)
+        assert min(tokens_so_far(conn, client, j) for j in jobs) < LONG
+        replies = [check_reply(list(j.stream(timeout=60))) for j in jobs]
+        worker.proc.send_signal(signal.SIGTERM)
+        worker.wait_clean_exit(timeout=30)
+    for reply, (_, final) in zip(replies, reference_run(tiny_model, requests), strict=True):
+        assert not any(e.type == "restart" for e in reply.events)
+        assert reply.done.token_ids == final.token_ids
+    assert pending(conn, client.keys) == []
+    assert conn.xlen(client.keys.dead) == 0
+    client.close()
+
+
 def test_auto_gives_the_redis_side_a_process_only_where_torch_leaves_a_core(
     tiny_model: Path,  # noqa: F811
 ) -> None:
