@@ -28,6 +28,7 @@ from tests.test_worker_support import (
 )
 from tokenq.producer.client import AsyncClient, Client, Job, make_request
 from tokenq.producer.protocol import TokenEvent, decode_event
+from tokenq.worker.bench_queue import process_cpu
 from tokenq.worker.loop import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -310,12 +311,6 @@ def test_a_killed_queue_process_ends_the_worker_and_its_jobs_wait_for_another(
     check_seamless_takeover(tiny_model, client, jobs, requests, redis_namespace)
 
 
-def cpu_seconds(pid: int) -> float:
-    """A process's CPU time so far (user + system), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_a_frozen_queue_process_stops_the_engine_and_its_jobs_end_whole_after_the_thaw(
     tiny_model: Path,  # noqa: F811
     redis_url: str,
@@ -338,9 +333,9 @@ def test_a_frozen_queue_process_stops_the_engine_and_its_jobs_end_whole_after_th
         os.kill(queue_pid, signal.SIGSTOP)
         try:
             time.sleep(3)
-            used = cpu_seconds(worker.pid)
+            used = process_cpu(worker.pid)
             time.sleep(1)
-            assert cpu_seconds(worker.pid) - used < 0.2  # waiting in its write, not stepping
+            assert process_cpu(worker.pid) - used < 0.2  # waiting in its write, not stepping
         finally:
             os.kill(queue_pid, signal.SIGCONT)
         assert min(tokens_so_far(conn, client, j) for j in jobs) < LONG

@@ -211,7 +211,7 @@ def _side_cpu(conn: Any, worker: Any) -> dict[str, float]:
     engine's threads) and by the whole redis-server."""
     cpu = {}
     pid = getattr(worker, "queue_pid", None)
-    used = None if pid is None else _process_cpu(pid)
+    used = None if pid is None else process_cpu(pid)
     if used is not None:
         cpu["queue process"] = used
     info = conn.info("cpu")
@@ -219,7 +219,7 @@ def _side_cpu(conn: Any, worker: Any) -> dict[str, float]:
     return cpu
 
 
-def _process_cpu(pid: int) -> float | None:
+def process_cpu(pid: int) -> float | None:
     """A process's CPU seconds (user + system) so far; None where /proc does not say."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
