@@ -145,7 +145,9 @@ class TcpProxy:
 
     - `cut_reply(command, times)`: the next `times` requests that contain `command` (e.g.
       b"EXEC", b"EVALSHA") reach Redis and run, and the connection is closed before the
-      client reads the answer;
+      client reads the answer; `cut_reply_containing(data, times, hold_resend_s)` the same
+      for requests holding those bytes anywhere (an argument of a script call, say), and
+      holds the next such requests (the client's re-sends) until `hold_resend_s` after;
     - `stall(seconds)`: replies are held for `seconds` before they go on;
     - `report_version(version)`: INFO answers name that version, as an older server would.
     """
@@ -159,6 +161,9 @@ class TcpProxy:
         self.port = self.listener.getsockname()[1]
         self._lock = threading.Lock()
         self._cut: dict[bytes, int] = {}
+        self._cut_raw: dict[bytes, int] = {}
+        self._hold_for: dict[bytes, float] = {}  # after a cut on these bytes, hold them
+        self._held_until: dict[bytes, float] = {}
         self._stall_until = 0.0
         self.cuts_done = 0
         self._closed = False
@@ -173,6 +178,11 @@ class TcpProxy:
     def cut_reply(self, command: bytes, times: int = 1) -> None:
         with self._lock:
             self._cut[_resp_command(command.upper())] = times
+
+    def cut_reply_containing(self, data: bytes, times: int = 1, hold_resend_s: float = 0) -> None:
+        with self._lock:
+            self._cut_raw[data] = times
+            self._hold_for[data] = hold_resend_s
 
     def stall(self, seconds: float) -> None:
         with self._lock:
@@ -217,6 +227,9 @@ class TcpProxy:
                     if not data:
                         return
                     if sock is client:
+                        hold = self._hold(data)
+                        if hold > 0:
+                            time.sleep(hold)
                         armed = armed or self._arm(data)
                         upstream.sendall(data)
                         continue
@@ -245,11 +258,20 @@ class TcpProxy:
     def _arm(self, data: bytes) -> bool:
         upper = data.upper()
         with self._lock:
-            for marker, left in self._cut.items():
-                if left > 0 and marker in upper:
-                    self._cut[marker] = left - 1
-                    return True
+            for cuts, seen in ((self._cut, upper), (self._cut_raw, data)):
+                for marker, left in cuts.items():
+                    if left > 0 and marker in seen:
+                        cuts[marker] = left - 1
+                        if marker in self._hold_for:
+                            self._held_until[marker] = time.monotonic() + self._hold_for[marker]
+                        return True
         return False
+
+    def _hold(self, data: bytes) -> float:
+        """How long to hold a request carrying bytes a cut was made on."""
+        with self._lock:
+            until = max((t for m, t in self._held_until.items() if m in data), default=0.0)
+        return until - time.monotonic()
 
     def close(self) -> None:
         self._closed = True

@@ -104,6 +104,11 @@ def reply_events(conn: redis.Redis, keys: Keys, job_id: str) -> list[Any]:
     return [decode_event(i, f) for i, f in conn.xrange(keys.reply(job_id))]
 
 
+def kinds(events: list[Any]) -> list[tuple[str, str | None]]:
+    """Each event's type, and its code if it is an error."""
+    return [(e.type, getattr(e, "code", None)) for e in events]
+
+
 def dead_letters(conn: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     return [{k.decode(): v for k, v in f.items()} for _, f in conn.xrange(keys.dead)]
 
@@ -235,6 +240,37 @@ def test_cut_and_stalled_publish_replies_duplicate_no_token(
             wait_for(lambda: all(j.status() == "done" for j in run.jobs), timeout=120)
         run.check(tiny_model)
         assert client.redis.xlen(client.keys.dead) == 0
+        client.close()
+
+
+def test_a_lost_settle_reply_after_its_queue_was_dropped_leaves_the_worker_serving(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Redis applies the call that settles a queue's last entry but its reply is lost; the
+    TAKE that a job submitted to another queue rings then drops the empty queue with its
+    group, before the re-sent settle arrives. That settle has nothing left to do: the
+    worker (its queue process) serves on, and the entry's job has one error."""
+    with RedisServer(tmp_path / "redis", aof=False) as server, TcpProxy(server.port) as proxy:
+        client = Client(server.url, namespace="faults", **CLIENT)
+        conn, keys = client.redis, client.keys
+        with WorkerProcess(tiny_model, proxy.url, "faults", tmp_path / "worker.log") as worker:
+            worker.wait_registered()
+            for i in range(4):
+                jid = f"broken-{i}"
+                proxy.cut_reply_containing(f"settle {jid} ".encode(), hold_resend_s=1.5)
+                add_raw(conn, keys, {"v": "2", "id": jid, "data": b"\xc1"})
+                wait_for(lambda i=i: proxy.cuts_done == i + 1, timeout=30)
+                good = client.submit(prompt=f"after {i}", max_tokens=4, temperature=0, priority=-1)
+                wait_for(lambda: not conn.exists(default_queue(keys)), timeout=30)
+                assert good.result(timeout=60).finish_reason == "length"
+                assert worker.alive(), worker.log.read_text()[-3000:]
+        for i in range(4):
+            assert kinds(reply_events(conn, keys, f"broken-{i}")) == [("error", "invalid_payload")]
+        assert [d["job_id"] for d in dead_letters(conn, keys)] == [
+            f"broken-{i}".encode() for i in range(4)
+        ]
+        assert pending(conn, keys) == []
         client.close()
 
 
@@ -521,6 +557,36 @@ def test_a_broken_entry_reusing_a_jobs_id_never_adds_a_terminal_event(
     assert "taken over" not in str(worker.metrics.request_error_total)
     assert sum(worker.metrics.request_success_total.values()) == 1
     client.close()
+
+
+def test_entries_without_a_job_key_end_their_job_with_one_terminal_event(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A producer that skips the client writes no job key. However often an entry with
+    such a job's id comes (a broken one after a broken one, a good one after a good one),
+    its reply gets one terminal event; later broken entries are only dead-lettered."""
+    keys = Keys("faults")
+    broken = {"v": "2", "id": "no-key-broken", "data": b"\xc1"}
+    params = {"max_tokens": 3, "temperature": 0}
+    good = {"v": "2", "id": "no-key-good", "data": pack({"prompt": "x", "params": params})}
+    with RedisServer(tmp_path / "redis", aof=False) as server:
+        conn = server.client()
+        with WorkerProcess(tiny_model, server.url, "faults", tmp_path / "worker.log") as worker:
+            worker.wait_registered()
+            for n in range(1, 4):
+                add_raw(conn, keys, broken)
+                add_raw(conn, keys, good)
+                wait_for(lambda n=n: conn.xlen(keys.dead) == n, timeout=30)
+                wait_for(lambda: queued(conn, keys) == 0 and pending(conn, keys) == [])
+            assert worker.alive()
+        assert kinds(reply_events(conn, keys, "no-key-broken")) == [("error", "invalid_payload")]
+        events = reply_events(conn, keys, "no-key-good")
+        assert [e.type for e in events][-1:] == ["done"]
+        assert sum(e.type in ("done", "error") for e in events) == 1
+        codes = {d["job_id"]: d["code"] for d in dead_letters(conn, keys)}
+        assert codes == {b"no-key-broken": b"invalid_payload"}
+        conn.close()
 
 
 def test_huge_entries_do_not_stall_the_jobs_beside_them(

@@ -87,6 +87,9 @@ def entry(data: object, **overrides: object) -> dict:
         (entry({"prompt": "x", "params": [1]}), "invalid_params", "j"),
         (entry({"prompt": "x", "priority": "high"}), "invalid_request", "j"),
         (entry({"prompt": "x", "deadline": "soon"}), "invalid_request", "j"),
+        # docs/protocol.md: a deadline must be finite; -inf is refused, not taken as past
+        (entry({"prompt": "x", "deadline": float("-inf")}), "invalid_request", "j"),
+        (entry({"prompt": "x", "deadline": float("nan")}), "invalid_request", "j"),
     ],
 )
 def test_bad_jobs_are_refused_with_a_code(fields: dict, code: str, job_id: str | None) -> None:

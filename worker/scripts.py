@@ -79,7 +79,8 @@ return out
 #   worker took the job over.
 # mode "settle": an entry that ends without running (rejected, duplicate, cancelled before
 #   it started). Guarded by the entry still being pending for this consumer (else gone:
-#   settled already, or reclaimed by another worker). Its event is written only if the job
+#   settled already, or reclaimed by another worker, or its queue dropped with its group
+#   once a first send emptied it). Its event is written only if the job
 #   has not ended, runs nowhere and, while queued, this is its own entry (the one SUBMIT
 #   recorded; else kept): one terminal event per job, always. With
 #   release "1" the entry is one this worker took the job for (the owner key is ours and
@@ -137,10 +138,27 @@ local function append(reply, first, a, n)
   end
 end
 
+-- Whether the entry is pending for this consumer. A queue dropped meanwhile (TAKE deletes
+-- an emptied queue with its group, which the first send of a re-sent call may have
+-- emptied) holds nothing pending: NOGROUP answers no, never an error.
+local function mine(stream, entry)
+  local rows = redis.pcall('XPENDING', stream, group, entry, entry, 1, consumer)
+  return not rows.err and #rows == 1
+end
+
 local function ack(stream, entry, backlog)
-  redis.call('XACK', stream, group, entry)
+  redis.pcall('XACK', stream, group, entry)  -- NOGROUP: a dropped queue, nothing to ack
   if redis.call('XDEL', stream, entry) == 1 and backlog ~= '-' then
     if tonumber(redis.call('GET', backlog) or '0') > 0 then redis.call('DECR', backlog) end
+  end
+end
+
+-- The job's end: its job key says so for as long as the key lives. A job without one (a
+-- producer that skipped SUBMIT, or a key expired) gets it, for as long as its reply lives,
+-- so that a later entry with its id finds the job ended and adds no second terminal event.
+local function finish(job, status)
+  if not redis.call('SET', job, status, 'XX', 'KEEPTTL') then
+    redis.call('SET', job, status, 'EX', reply_ttl)
   end
 end
 
@@ -176,7 +194,7 @@ while a <= #ARGV do
         redis.call('EXPIRE', reply, running_ttl)
       elseif status ~= '' then
         redis.call('EXPIRE', reply, reply_ttl)
-        redis.call('SET', job, status, 'XX', 'KEEPTTL')
+        finish(job, status)
         redis.call('DEL', owner, cancel, ns .. ':entry:' .. jid)
         ack(stream, entry, backlog)
         add_dead(dl, ndead)
@@ -189,7 +207,7 @@ while a <= #ARGV do
     -- landed (it ended the job) and its reply was lost.
   elseif mode == 'orphan' then
     add_dead(dl, ndead)
-  elseif #redis.call('XPENDING', stream, group, entry, entry, 1, consumer) == 0 then
+  elseif not mine(stream, entry) then
     outcome = 'g'
   else
     if nev > 0 and jid ~= '-' then
@@ -203,7 +221,7 @@ while a <= #ARGV do
       else
         append(reply, last_seq(reply) + 1, ev, nev)
         redis.call('EXPIRE', reply, reply_ttl)
-        if status ~= '' then redis.call('SET', job, status, 'XX', 'KEEPTTL') end
+        if status ~= '' then finish(job, status) end
         redis.call('DEL', cancel, ns .. ':entry:' .. jid)
       end
     end
