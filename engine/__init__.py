@@ -20,12 +20,12 @@ _EXPORTS = {
     "RequestOutput": "tokenq.engine.outputs",
     "TextPrompt": "tokenq.engine.llm",
     "TokensPrompt": "tokenq.engine.llm",
-    "InvalidRequest": "tokenq.engine.errors",
+    "InvalidRequest": "tokenq.protocol.errors",
     "InvalidTransition": "tokenq.engine.errors",
     "StepFailed": "tokenq.engine.errors",
     "LLMEngine": "tokenq.engine.llm_engine",
     "RequestState": "tokenq.engine.sequence",
-    "SamplingParams": "tokenq.engine.sampling_params",
+    "SamplingParams": "tokenq.protocol.params",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,5 +1,6 @@
-"""Errors the engine raises: bad requests (each with a stable code for the wire), and a step
-that failed for reasons no single request explains."""
+"""Errors of the engine itself: a lifecycle bug, and a step that failed for reasons no
+single request explains. A request the engine refuses raises the contract's
+`InvalidRequest` (tokenq.protocol.errors)."""
 
 from __future__ import annotations
 
@@ -7,31 +8,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenq.engine.outputs import RequestOutput
-
-# How much of a client's value an error message may quote: enough to recognise it, never
-# enough to turn a 10 MB parameter into a 10 MB error reply and log line.
-CLIP_CHARS = 100
-
-
-def clip(text: str, limit: int = CLIP_CHARS) -> str:
-    """``text`` cut to ``limit`` characters, marking (with the full length) that it was cut."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text)} chars)"
-
-
-def describe(exc: BaseException) -> str:
-    """An exception as a short message for a client: its type and its (clipped) text."""
-    return clip(f"{type(exc).__name__}: {exc}")
-
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses before it runs; ``code`` is what clients match on."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class InvalidTransition(RuntimeError):

@@ -9,10 +9,10 @@ from typing import Any, TypedDict
 
 from tokenq.engine.config import EngineConfig
 from tokenq.engine.downloads import DEFAULT_MODEL
-from tokenq.engine.errors import InvalidRequest, clip
 from tokenq.engine.llm_engine import LLMEngine
 from tokenq.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
-from tokenq.engine.sampling_params import SamplingParams
+from tokenq.protocol.errors import InvalidRequest, clip
+from tokenq.protocol.params import SamplingParams
 
 
 class TextPrompt(TypedDict):

@@ -21,16 +21,17 @@ import torch
 from tokenq.engine.attention import AttentionBackend
 from tokenq.engine.block_manager import BlockManager
 from tokenq.engine.config import EngineConfig
-from tokenq.engine.errors import InvalidRequest, StepFailed, clip, describe
+from tokenq.engine.errors import StepFailed
 from tokenq.engine.loader import load_checkpoint, resolve_model
 from tokenq.engine.model_runner import ModelRunner
 from tokenq.engine.output_processor import OutputProcessor
 from tokenq.engine.outputs import EngineStats, RequestDelta
 from tokenq.engine.prompts import Prompts
 from tokenq.engine.sampler import SampleResult
-from tokenq.engine.sampling_params import SamplingParams
 from tokenq.engine.scheduler import ScheduledSeq, Scheduler
 from tokenq.engine.sequence import RequestMetrics, RequestState, Sequence
+from tokenq.protocol.errors import InvalidRequest, clip, describe
+from tokenq.protocol.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

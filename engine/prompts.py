@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenq.engine.errors import InvalidRequest, clip
-from tokenq.engine.sampling_params import are_token_ids
 from tokenq.engine.tokenizer import Tokenizer
+from tokenq.protocol.errors import InvalidRequest, clip
+from tokenq.protocol.params import are_token_ids
 
 
 class Prompts:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenq.engine.sampling_params import SamplingParams
 from tokenq.kernels.reference import argmax_rows_torch
+from tokenq.protocol.params import SamplingParams
 
 _NEG_INF = float("-inf")
 _MAX_FLOAT = torch.finfo(torch.float32).max

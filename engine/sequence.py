@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from tokenq.engine.errors import InvalidTransition
-from tokenq.engine.sampling_params import SamplingParams
+from tokenq.protocol.params import SamplingParams
 
 
 class RequestState(Enum):

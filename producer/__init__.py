@@ -16,14 +16,7 @@ from tokenq.producer.errors import (
     RedisUnavailable,
     UnknownModel,
 )
-from tokenq.producer.protocol import (
-    DoneEvent,
-    ErrorEvent,
-    Event,
-    JobRequest,
-    RestartEvent,
-    TokenEvent,
-)
+from tokenq.protocol import DoneEvent, ErrorEvent, Event, JobRequest, RestartEvent, TokenEvent
 
 __all__ = [
     "AsyncClient",

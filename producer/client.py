@@ -27,7 +27,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
-from urllib.parse import urlsplit
 
 import hiredis
 import redis
@@ -43,7 +42,7 @@ from tokenq.producer.errors import (
     RedisUnavailable,
     UnknownModel,
 )
-from tokenq.producer.protocol import (
+from tokenq.protocol import (
     DEFAULT_LIMITS,
     DEFAULT_NAMESPACE,
     LANE_PRIORITY,
@@ -63,8 +62,8 @@ from tokenq.producer.protocol import (
     new_job_id,
     pack,
 )
+from tokenq.protocol.connection import DEFAULT_REDIS_URL, keepalive_for, version_tuple
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # Jobs a model's lane may hold (waiting or running) before QueueFull. Interactive work is
 # refused early (its users would rather hear "busy" than wait); batch backlogs are large.
 DEFAULT_MAX_BACKLOG = {"interactive": 1_000, "default": 10_000, "batch": 1_000_000}
@@ -351,13 +350,6 @@ def _check_binary(conn: Any) -> None:
         raise ValueError("tokenq needs a Redis client with decode_responses=False (msgpack)")
 
 
-def keepalive_for(url: str) -> dict[str, bool]:
-    """TCP keepalive, which finds a peer that vanished under an idle connection, for a
-    redis:// or rediss:// URL; none for a unix:// socket, where the kernel knows when the
-    server is gone (and redis-py refuses the option: a TypeError at the first command)."""
-    return {} if urlsplit(url).scheme == "unix" else {"socket_keepalive": True}
-
-
 def _own_pool_options(config: ClientConfig, url: str) -> dict[str, Any]:
     """A URL-built client's pool: bounded waits on connect and on every read, keepalive and
     health checks to find dead connections, and no retries of redis-py's own (they would
@@ -431,11 +423,6 @@ def _streams(reply: Any) -> list[tuple[Any, Any]]:
     """(stream key, entries) of a raw XREAD reply: RESP2 (an array of [key, entries]) or
     RESP3 (a map of key -> entries); none when BLOCK ran out."""
     return list(reply.items() if isinstance(reply, dict) else reply or ())
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """A server's `redis_version` as (major, minor), to compare; () when it has none."""
-    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
 
 def wakes_with_one_stream(info: Any) -> bool:

@@ -25,7 +25,7 @@ CLIENT = {"model": TEST_MODEL, "require_worker": False}
 
 
 def queue_of(namespace: str, priority: int = 0, tenant: str = "-") -> str:
-    """The key of one of the test model's queues (see tokenq.producer.protocol.Keys)."""
+    """The key of one of the test model's queues (see tokenq.protocol.Keys)."""
     return f"{namespace}:jobs:{TEST_MODEL}:{priority}:{tenant}"
 
 

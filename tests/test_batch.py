@@ -20,10 +20,10 @@ import redis
 
 from tests.faults import WorkerProcess
 from tests.test_worker_support import tiny_model, wait_for  # noqa: F401
-from tokenq.producer import batch
-from tokenq.producer.batch import DoneSet, job_id_for, load_done, repair, scan_input
+from tokenq.batch import runner as batch
+from tokenq.batch.runner import DoneSet, job_id_for, load_done, repair, scan_input
 from tokenq.producer.client import Client
-from tokenq.producer.protocol import Keys
+from tokenq.protocol import Keys
 
 MAX_TOKENS = 4
 

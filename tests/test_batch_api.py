@@ -18,7 +18,7 @@ import redis
 from tests.faults import WorkerProcess
 from tests.helpers import make_tiny_llama_dir
 from tests.test_gateway import GatewayProcess
-from tokenq.producer.batch import job_id_for
+from tokenq.batch.runner import job_id_for
 
 POLL = "0.2"  # the gateways' --batch-poll
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tokenq.engine.block_manager import BlockManager
-from tokenq.engine.sampling_params import SamplingParams
 from tokenq.engine.sequence import Sequence
+from tokenq.protocol.params import SamplingParams
 
 BLOCK = 4
 NUM_BLOCKS = 12

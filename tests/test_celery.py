@@ -36,10 +36,10 @@ from tests.test_worker_support import (
     wait_for,
 )
 from tokenq.celery import PROGRESS, generate
-from tokenq.producer.celery_bridge import Bridge, RevokeWatcher, job_kwargs
+from tokenq.celery.bridge import Bridge, RevokeWatcher, job_kwargs
 from tokenq.producer.client import Client
 from tokenq.producer.errors import JobFailed, QueueFull
-from tokenq.producer.protocol import Keys, ProtocolError, decode_event
+from tokenq.protocol import Keys, ProtocolError, decode_event
 from tokenq.worker.loop import Worker
 
 # On the tests that run a tokenq worker only: the fixture sets torch's (process-wide) thread

@@ -25,15 +25,7 @@ import tokenq.producer.client as client_module
 from tests.redis_fixtures import CLIENT, queue_of
 from tokenq.producer.client import AsyncClient, Client, make_request
 from tokenq.producer.errors import ClientClosed, JobFailed, QueueFull
-from tokenq.producer.protocol import (
-    DoneEvent,
-    ErrorEvent,
-    Keys,
-    TokenEvent,
-    Usage,
-    decode_job,
-    encode_event,
-)
+from tokenq.protocol import DoneEvent, ErrorEvent, Keys, TokenEvent, Usage, decode_job, encode_event
 
 
 @pytest.fixture
@@ -226,7 +218,7 @@ def test_producer_and_submit_need_no_torch(redis_url: str, redis_namespace: str)
                     raise ImportError("torch is blocked in this test")
 
         sys.meta_path.insert(0, NoTorch())
-        import tokenq, tokenq.producer.client, tokenq.producer.protocol, tokenq.cli
+        import tokenq, tokenq.producer.client, tokenq.protocol, tokenq.cli
         from tokenq import AsyncClient, Client, JobFailed, QueueFull
         code = tokenq.cli.main(["submit", "hello", "--no-wait", "--job-id", "nt",
                                 "--model", "tiny", "--queue-anyway",
@@ -246,8 +238,8 @@ def test_producer_and_submit_need_no_torch(redis_url: str, redis_namespace: str)
 
 
 def test_every_cli_option_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tokenq.producer.cli import parse_size
-    from tokenq.worker.cli import build_parser, engine_kwargs
+    from tokenq.cli.options import parse_size
+    from tokenq.cli.worker import build_parser, engine_kwargs
 
     monkeypatch.setenv("TOKENQ_MAX_NUM_SEQS", "3")
     monkeypatch.setenv("TOKENQ_KV_CACHE_MEMORY", "2GiB")

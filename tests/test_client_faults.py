@@ -23,7 +23,7 @@ from tests.faults import RedisServer, TcpProxy
 from tests.redis_fixtures import CLIENT, queue_of
 from tokenq.producer.client import AsyncClient, Client, ClientConfig
 from tokenq.producer.errors import RedisUnavailable
-from tokenq.producer.protocol import DoneEvent, Event, Keys, TokenEvent, encode_event
+from tokenq.protocol import DoneEvent, Event, Keys, TokenEvent, encode_event
 
 NS = "t"
 

@@ -1,4 +1,4 @@
-"""The gateway's operator endpoints (producer/dashboard.py), in the gateway's app served by
+"""The gateway's operator endpoints (tokenq/server/dashboard.py), in the gateway's app served by
 uvicorn: /metrics scraped and parsed with prometheus_client's parser, and /dashboard
 loaded in a real headless Chromium (Debian's `chromium` and `chromium-driver`, driven by
 selenium) while a real worker process runs jobs."""
@@ -26,11 +26,11 @@ from tests.faults import WorkerProcess, free_port
 from tests.redis_fixtures import CLIENT
 from tests.test_ops import dead_letter, parse, total
 from tests.test_worker_support import tiny_model, wait_for  # noqa: F401
+from tokenq.ops.fleet import FLEET_METRICS, Fleet, RegisteredWorker
 from tokenq.producer.client import Client
-from tokenq.producer.dashboard import Rates
 from tokenq.producer.errors import JobFailed
-from tokenq.producer.fleet import FLEET_METRICS, Fleet, RegisteredWorker
-from tokenq.producer.gateway import GatewayConfig, create_app
+from tokenq.server.dashboard import Rates
+from tokenq.server.gateway import GatewayConfig, create_app
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 APT = "apt-get update -qq && apt-get install -y -qq chromium chromium-driver"

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tokenq import cli
+from tokenq.cli import dispatch as cli
+from tokenq.cli import serve as serve_cli
+from tokenq.cli import worker as worker_cli
 from tokenq.engine.outputs import EngineStats
-from tokenq.producer import cli as client_cli
-from tokenq.producer.fleet import FLEET_METRICS
-from tokenq.worker import cli as worker_cli
+from tokenq.ops.fleet import FLEET_METRICS
 from tokenq.worker.metrics import WorkerMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,8 +68,8 @@ def test_every_tokenq_command_in_the_compose_file_parses() -> None:
         command = service["command"]
         if command[0] in cli.WORKER_COMMANDS:
             worker_cli.build_parser().parse_args(command)
-        elif command[0] == "serve":  # parsed once the command runs (producer/cli.py)
-            client_cli.serve_parser().parse_args(command[1:])
+        elif command[0] == "serve":  # parsed once the command runs (tokenq/cli/serve.py)
+            serve_cli.serve_parser().parse_args(command[1:])
         else:
             assert known(command[0]), f"{name}: unknown tokenq command {command[0]}"
             cli.build_parser().parse_args(command)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tokenq.engine import hf_reference
+from tokenq.bench import hf_reference
 
 # An import of a module whose sys.modules entry is None raises ImportError: transformers
 # looks uninstalled, though it is there for the rest of the suite.

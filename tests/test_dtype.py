@@ -18,11 +18,11 @@ import torch
 
 from tests.helpers import make_tiny_llama_dir
 from tests.teacher_forcing import agreement, engine_logits, hf_logits
+from tokenq.bench.engine import bench_dtypes, run_vllm, w1
+from tokenq.bench.hf_reference import build_hf_model
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenq.engine import config as config_module
-from tokenq.engine.bench import bench_dtypes, run_vllm, w1
 from tokenq.engine.downloads import build_dir
-from tokenq.engine.hf_reference import build_hf_model
 from tokenq.engine.loader import load_checkpoint
 from tokenq.engine.model import Linear
 from tokenq.kernels import cpu_features, cpu_ops

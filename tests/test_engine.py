@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.helpers import make_tiny_llama_dir
+from tokenq.bench.hf_reference import build_hf_model, greedy_config
 from tokenq.engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
 from tokenq.engine.downloads import build_dir
-from tokenq.engine.hf_reference import build_hf_model, greedy_config
 from tokenq.engine.loader import load_checkpoint
 from tokenq.engine.model_runner import _merged
 from tokenq.engine.sequence import Sequence

@@ -36,15 +36,7 @@ from tests.test_worker_support import (
     wait_for,
 )
 from tokenq.producer.client import Client, Job, make_request
-from tokenq.producer.protocol import (
-    NO_TENANT,
-    ErrorEvent,
-    Keys,
-    TokenEvent,
-    decode_event,
-    pack,
-    unpack,
-)
+from tokenq.protocol import NO_TENANT, ErrorEvent, Keys, TokenEvent, decode_event, pack, unpack
 from tokenq.worker import loop
 from tokenq.worker.loop import Worker
 from tokenq.worker.split import make_worker
@@ -502,7 +494,7 @@ def test_take_starts_fresh_jobs_itself_and_a_refused_one_keeps_no_owner_key(
 
 
 def test_a_job_id_ending_in_a_newline_is_refused() -> None:
-    from tokenq.producer.protocol import JobRequest, ProtocolError
+    from tokenq.protocol import JobRequest, ProtocolError
 
     with pytest.raises(ProtocolError):
         JobRequest(prompt="x", job_id="job\n").validate()

@@ -24,7 +24,7 @@ from tests.test_worker_support import (
 )
 from tokenq import Client, QueueFull, UnknownModel
 from tokenq.producer.client import make_request
-from tokenq.producer.protocol import ErrorEvent, TokenEvent, pack
+from tokenq.protocol import ErrorEvent, TokenEvent, pack
 from tokenq.worker.loop import Worker
 from tokenq.worker.split import make_worker
 

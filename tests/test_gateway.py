@@ -615,7 +615,7 @@ def test_a_full_redis_is_a_503_and_the_same_request_succeeds_once_it_has_room(
 
 def test_the_gateway_needs_no_torch() -> None:
     script = NO_TORCH + (
-        "from tokenq.producer.gateway import GatewayConfig, create_app\n"
+        "from tokenq.server.gateway import GatewayConfig, create_app\n"
         "app = create_app(GatewayConfig())\n"
         "assert not [m for m in sys.modules if m.startswith(('torch', 'tokenq.engine'))]\n"
     )

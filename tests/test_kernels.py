@@ -561,7 +561,7 @@ def test_cpu_kernel_bench_times_each_kernel_against_torch(
 ) -> None:
     """``tokenq bench kernels --device cpu``: a row per dtype, op and shape, with both
     sides' times and their ratio."""
-    from tokenq.kernels.bench import main as bench_kernels
+    from tokenq.bench.kernels import main as bench_kernels
 
     argv = ["--device", "cpu", "--decode-rows", "4", "--context", "40", "--prefill-rows", "24"]
     assert bench_kernels(argv, build_dir()) == 0

@@ -1,4 +1,4 @@
-"""producer/openai_api.py: OpenAI request bodies to jobs, results to OpenAI bodies.
+"""tokenq/server/openai_api.py: OpenAI request bodies to jobs, results to OpenAI bodies.
 
 The end-to-end tests, through a real gateway with the official SDK, are in
 tests/test_gateway.py; these pin the translation itself, and that the gateway refuses
@@ -11,10 +11,11 @@ import math
 
 import pytest
 
-from tokenq.engine.errors import InvalidRequest
-from tokenq.engine.sampling_params import SamplingParams
 from tokenq.producer.client import make_request
-from tokenq.producer.openai_api import (
+from tokenq.protocol import DoneEvent, TokenEvent, Usage
+from tokenq.protocol.errors import InvalidRequest
+from tokenq.protocol.params import SamplingParams
+from tokenq.server.openai_api import (
     BadRequest,
     Logprobs,
     chunk_body,
@@ -24,7 +25,6 @@ from tokenq.producer.openai_api import (
     to_submit_kwargs,
     usage_chunk,
 )
-from tokenq.producer.protocol import DoneEvent, TokenEvent, Usage
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 OTHER_KEYS = ("model", "tenant", "priority")

@@ -32,11 +32,11 @@ from tests.test_worker_support import (
     wait_for,
 )
 from tokenq import cli
+from tokenq.ops.dlq import DeadLetters
+from tokenq.ops.fleet import FLEET_METRICS, FleetCollector
 from tokenq.producer.client import Client
-from tokenq.producer.dlq import DeadLetters
 from tokenq.producer.errors import JobFailed
-from tokenq.producer.fleet import FLEET_METRICS, FleetCollector
-from tokenq.producer.protocol import Keys, pack
+from tokenq.protocol import Keys, pack
 from tokenq.worker.loop import Worker
 from tokenq.worker.metrics import LATENCY_BUCKETS, observe_many
 

@@ -11,8 +11,8 @@ import zipfile
 from pathlib import Path
 
 from tests.faults import RedisServer, free_port
-from tokenq.engine.sampling_params import SamplingParams
-from tokenq.producer import protocol
+from tokenq import protocol
+from tokenq.protocol.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def test_the_wheel_holds_one_top_level_package_that_imports_the_same_way(tmp_pat
     assert zipfile.ZipFile(wheel).read(info).decode().split() == ["tokenq"]
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"tokenq"}
     assert {"tokenq/kernels/cpu_ops.c", "tokenq/kernels/cpu_ops_typed.h"} <= set(names)
-    assert "tokenq/producer/dashboard.html" in names  # the gateway's /dashboard page
+    assert "tokenq/server/dashboard.html" in names  # the gateway's /dashboard page
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
@@ -157,14 +157,21 @@ def test_the_protocols_sampling_parameters_are_the_engines() -> None:
     assert protocol.SAMPLING_PARAMS == fields
 
 
-# What each part may import from tokenq: imports run worker -> producer, worker -> engine ->
-# kernels, and nothing runs back up (the package root may use any part).
+# What each room may import from tokenq (docs/design.md, "Rooms"): every room may import the
+# contract, which imports nothing else of tokenq; the servers and tools import the producer
+# (and one another); worker -> engine -> kernels; nothing runs back up. The command line
+# (tokenq/cli/), the benchmarks, the demo and the package root may use any room.
+CONTRACT = "protocol"
+TOOLS = {"server", "batch", "ops", "celery"}
 ALLOWED = {
-    "producer": {"producer"},
+    CONTRACT: {CONTRACT},
+    "producer": {"producer", CONTRACT},
+    **{tool: TOOLS | {"producer", CONTRACT} for tool in TOOLS},
     "kernels": {"kernels"},
-    "engine": {"engine", "kernels"},
-    "worker": {"worker", "producer", "engine", "kernels"},
+    "engine": {"engine", "kernels", CONTRACT},
+    "worker": {"worker", "engine", "kernels", CONTRACT},
 }
+FOLDERS = {room: ROOT / room for room in ("producer", "kernels", "engine", "worker")}
 
 
 def test_imports_run_one_way() -> None:
@@ -172,7 +179,8 @@ def test_imports_run_one_way() -> None:
 
     wrong = []
     for part, allowed in ALLOWED.items():
-        for path in sorted((ROOT / part).glob("*.py")):
+        folder = FOLDERS.get(part, ROOT / "tokenq" / part)
+        for path in sorted(folder.glob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 names = []
                 if isinstance(node, ast.Import):
@@ -181,6 +189,6 @@ def test_imports_run_one_way() -> None:
                     names = [node.module]
                 for name in names:
                     parts = name.split(".")
-                    if parts[0] == "tokenq" and len(parts) > 1 and parts[1] not in allowed:
+                    if parts[0] == "tokenq" and (len(parts) == 1 or parts[1] not in allowed):
                         wrong.append(f"{part}/{path.name} imports {name}")
     assert not wrong, wrong

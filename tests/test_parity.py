@@ -8,9 +8,9 @@ import torch
 
 from tests.helpers import DEFAULT_MODEL
 from tests.teacher_forcing import agreement, engine_logits, hf_logits
+from tokenq.bench.hf_reference import build_hf_model
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenq.engine.attention import AttentionMetadata
-from tokenq.engine.hf_reference import build_hf_model
 from tokenq.engine.loader import load_checkpoint, resolve_model
 
 pytestmark = pytest.mark.slow

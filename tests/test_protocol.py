@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from tokenq.producer.protocol import (
+from tokenq.protocol import (
     PROTOCOL_VERSION,
     DoneEvent,
     ErrorEvent,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import redis
 
-from tokenq.producer.protocol import Keys, TokenEvent, decode_event
+from tokenq.protocol import Keys, TokenEvent, decode_event
 from tokenq.worker.scripts import Item, Scripts, event_arg
 
 FENCE = b"w1:fence"

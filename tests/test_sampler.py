@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenq.engine.sampler import sample
-from tokenq.engine.sampling_params import SamplingParams
+from tokenq.protocol.params import SamplingParams
 
 VOCAB = 49152  # the default model's, as in the engine
 FLOAT32_MAX = torch.finfo(torch.float32).max

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenq.engine import InvalidRequest, SamplingParams
-from tokenq.engine.errors import clip
+from tokenq.protocol.errors import clip
 
 
 def refused(**params) -> InvalidRequest:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tokenq.engine.block_manager import BlockManager
-from tokenq.engine.errors import InvalidRequest, InvalidTransition
-from tokenq.engine.sampling_params import SamplingParams
+from tokenq.engine.errors import InvalidTransition
 from tokenq.engine.scheduler import Scheduler, SchedulerOutput
 from tokenq.engine.sequence import RequestState, Sequence
+from tokenq.protocol.errors import InvalidRequest
+from tokenq.protocol.params import SamplingParams
 
 S = RequestState
 

@@ -34,11 +34,11 @@ from tests.test_worker_support import (
     wait_for,
 )
 from tokenq import cli
+from tokenq.cli.worker import build_parser, worker_kwargs
 from tokenq.engine import SamplingParams
 from tokenq.engine.outputs import RequestDelta
 from tokenq.producer.client import Client, make_request
-from tokenq.producer.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
-from tokenq.worker.cli import build_parser, worker_kwargs
+from tokenq.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.driver import Add, EngineDriver, Failed, Refused
 from tokenq.worker.logs import configure_logging

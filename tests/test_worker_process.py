@@ -26,9 +26,9 @@ from tests.test_worker_support import (
     tiny_model,  # noqa: F401
     wait_for,
 )
+from tokenq.bench.queue import process_cpu
 from tokenq.producer.client import AsyncClient, Client, Job, make_request
-from tokenq.producer.protocol import TokenEvent, decode_event
-from tokenq.worker.bench_queue import process_cpu
+from tokenq.protocol import TokenEvent, decode_event
 from tokenq.worker.loop import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

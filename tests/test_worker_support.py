@@ -20,15 +20,7 @@ import torch
 from tests.helpers import make_tiny_llama_dir
 from tests.redis_fixtures import CLIENT, TEST_MODEL  # noqa: F401  (re-exported for tests)
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
-from tokenq.producer.protocol import (
-    GROUP,
-    NO_TENANT,
-    DoneEvent,
-    Event,
-    Keys,
-    RestartEvent,
-    TokenEvent,
-)
+from tokenq.protocol import GROUP, NO_TENANT, DoneEvent, Event, Keys, RestartEvent, TokenEvent
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.loop import Worker
 from tokenq.worker.split import EngineHost

@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from tokenq.producer.protocol import DEFAULT_LIMITS, DEFAULT_NAMESPACE, GROUP, Limits
+from tokenq.protocol import DEFAULT_LIMITS, DEFAULT_NAMESPACE, GROUP, Limits
 
 
 def default_consumer() -> str:
@@ -45,7 +45,7 @@ class WorkerConfig:
     # A dead letter keeps the original entry whole up to this size, else a prefix of it:
     # the dead-letter stream stays under about maxlen x this many bytes.
     dead_letter_fields_bytes: int = 32 << 10
-    limits: Limits = DEFAULT_LIMITS  # size bounds of a job (producer.protocol.Limits)
+    limits: Limits = DEFAULT_LIMITS  # size bounds of a job (tokenq.protocol.Limits)
     # Events a worker holds while Redis is slow or away: past half of it no new job is
     # taken, past all of it the engine pauses until Redis answers again.
     max_outbox_events: int = 65_536

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenq.engine.errors import InvalidRequest, StepFailed, describe
-from tokenq.engine.sampling_params import SamplingParams
+from tokenq.engine.errors import StepFailed
+from tokenq.protocol.errors import InvalidRequest, describe
+from tokenq.protocol.params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenq.engine.llm_engine import LLMEngine

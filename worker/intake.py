@@ -7,14 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenq.producer.protocol import (
-    DEFAULT_LIMITS,
-    JobRequest,
-    Limits,
-    ProtocolError,
-    clip,
-    decode_job,
-)
+from tokenq.protocol import DEFAULT_LIMITS, JobRequest, Limits, ProtocolError, decode_job, quote
 
 
 @dataclass
@@ -61,7 +54,7 @@ def check_model(job: JobRequest, model_names: frozenset[str]) -> Rejection | Non
     served = ", ".join(sorted(model_names))
     return Rejection(
         "unknown_model",
-        f"model {clip(job.model)} is not served here ({served})",
+        f"model {quote(job.model)} is not served here ({served})",
         job.job_id,
         metadata=job.metadata,
     )

@@ -39,9 +39,7 @@ import redis
 import structlog
 
 from tokenq.engine.prompts import Prompts
-from tokenq.engine.sampling_params import SamplingParams
-from tokenq.producer.client import version_tuple
-from tokenq.producer.protocol import (
+from tokenq.protocol import (
     DONE,
     ERROR,
     LANES,
@@ -55,6 +53,8 @@ from tokenq.producer.protocol import (
     pack,
     reply_seq,
 )
+from tokenq.protocol.connection import version_tuple
+from tokenq.protocol.params import SamplingParams
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.driver import Add, EngineDriver, Failed, Refused, weight
 from tokenq.worker.heap import frozen_heap

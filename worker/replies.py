@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tokenq.producer.protocol import (
+from tokenq.protocol import (
     TERMINAL_EVENTS,
     DoneEvent,
     ErrorEvent,

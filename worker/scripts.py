@@ -23,7 +23,7 @@ import hiredis
 import redis
 from redis.commands.core import Script
 
-from tokenq.producer.protocol import DONE, ERROR, RESTART, TOKEN, Event, Keys, pack
+from tokenq.protocol import DONE, ERROR, RESTART, TOKEN, Event, Keys, pack
 
 # Start a job: claim the owner key (fencing) and read what the reply stream already holds,
 # in one step, unless the job is finished or (a fresh duplicate entry) runs elsewhere.
@@ -428,7 +428,7 @@ end
 local rings = {}
 for i, model in ipairs(names) do rings[i] = newest(ns .. ':bell:' .. model) or '' end
 
--- The job id as the worker reads it (producer.protocol.JOB_ID_RE), or nil.
+-- The job id as the worker reads it (tokenq.protocol.JOB_ID_RE), or nil.
 local function job_id(fields)
   for i = 1, #fields, 2 do
     if fields[i] == 'id' then

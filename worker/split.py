@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Any
 import redis
 import structlog
 
-from tokenq.engine.errors import describe
 from tokenq.engine.output_processor import IncrementalDetokenizer
 from tokenq.engine.outputs import RequestDelta
 from tokenq.engine.sequence import RequestMetrics
-from tokenq.producer.client import keepalive_for
+from tokenq.protocol.connection import keepalive_for
+from tokenq.protocol.errors import describe
 from tokenq.worker.config import REDIS_SIDES, WorkerConfig
 from tokenq.worker.driver import (
     Abort,

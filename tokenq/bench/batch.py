@@ -1,0 +1,144 @@
+"""`tokenq bench batch`: `tokenq batch run` against the engine alone, on the same requests.
+
+One engine, two runs of the same requests: straight into the engine (as `tokenq bench
+engine` runs them), then written as an OpenAI batch file and run by the `tokenq batch run`
+command (a process of its own, timed from its start to its exit: reading the file,
+submitting, following, writing the output) through Redis to a worker serving this engine
+on this process's main thread, as `tokenq worker` does. Reported: completion tokens per
+second each way and their ratio (the target is at least 0.95). The prompts are W1's
+token ids as text, sent to /v1/completions; greedy, so both sides generate the same tokens
+(checked). Prefix caching is off so that no run reuses an earlier run's prompts. Needs a
+Redis server (the command is another process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tokenq.bench.queue import (
+    BENCH_NAME,
+    RunResult,
+    add_engine_options,
+    connect,
+    delete_namespace,
+    engine_from,
+    run_beside,
+)
+from tokenq.protocol.connection import DEFAULT_REDIS_URL
+from tokenq.worker.config import WorkerConfig
+from tokenq.worker.logs import configure_logging
+
+
+def run_direct(engine: Any, prompts: list[str], params: dict[str, Any]) -> RunResult:
+    """The requests straight into the engine, all at once, stepped until none is left."""
+    start = time.monotonic()
+    for i, text in enumerate(prompts):
+        engine.add_request(f"direct-{i}", prompt=text, params=dict(params))
+    tokens = 0
+    while engine.has_unfinished():
+        tokens += sum(out.completion_tokens for out in engine.step() if out.finished)
+    return RunResult(time.monotonic() - start, tokens, [])
+
+
+def batch_file(path: Path, prompts: list[str], params: dict[str, Any]) -> Path:
+    with path.open("w") as f:
+        for i, text in enumerate(prompts):
+            body = {"model": BENCH_NAME, "prompt": text, **params}
+            line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
+            f.write(json.dumps(line) + "\n")
+    return path
+
+
+def run_batch(engine: Any, url: str, namespace: str, source: Path, workdir: Path) -> RunResult:
+    """The batch command against a worker on this engine, run as `tokenq worker` runs:
+    the engine on the main thread, the Redis side where `--redis-side auto` puts it."""
+    from tokenq.worker.split import LogSettings, make_worker
+
+    config = WorkerConfig(namespace=namespace, served_names=(BENCH_NAME,))
+    worker = make_worker(engine, url, config, logs=LogSettings(json=False, level="warning"))
+    out = workdir / f"out-{uuid.uuid4().hex[:8]}.jsonl"
+    cmd = [
+        sys.executable, "-m", "tokenq.cli", "batch", "run", str(source), str(out),
+        "--redis-url", url, "--namespace", namespace, "--no-progress", "--queue-anyway",
+        "--batch-id", uuid.uuid4().hex[:12],
+    ]  # fmt: skip
+    outcome: dict[str, Any] = {}
+
+    def command() -> None:
+        start = time.monotonic()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        outcome["seconds"] = time.monotonic() - start
+        outcome["status"], outcome["stderr"] = done.returncode, done.stderr
+        worker.stop(grace=0)
+
+    run_beside(worker, command)
+    if outcome["status"] != 0:
+        raise RuntimeError(f"tokenq batch run failed: {outcome['stderr'][-2000:]}")
+    tokens = 0
+    with out.open() as f:
+        for line in f:
+            tokens += json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
+    return RunResult(outcome["seconds"], tokens, [])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tokenq.bench.engine import w1
+
+    ap = argparse.ArgumentParser(prog="tokenq bench batch", description=__doc__)
+    add_engine_options(ap)
+    ap.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument(
+        "--repeat", type=int, default=2, help="alternate the two sides; keep each side's best"
+    )
+    args = ap.parse_args(argv)
+
+    configure_logging(json=False, level="warning")
+    options = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    engine = engine_from(args, **options)
+    workload = w1(args.requests, args.prompt_len, args.gen)
+    prompts = [engine.tokenizer.decode(ids) for ids in workload.prompts]
+    params = {"max_tokens": args.gen, "temperature": 0.0}
+    conn = connect(
+        args.redis_url, required=f"tokenq bench batch: no Redis server at {args.redis_url}"
+    )
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    directs: list[RunResult] = []
+    batches: list[RunResult] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="tokenq-bench-batch-") as tmp:
+            work = Path(tmp)
+            source = batch_file(work / "in.jsonl", prompts, params)
+            warm = batch_file(work / "warm.jsonl", prompts[:8], {**params, "max_tokens": 2})
+            run_direct(engine, prompts[:8], {**params, "max_tokens": 2})
+            run_batch(engine, args.redis_url, namespace, warm, work)
+            for _ in range(args.repeat):  # alternating: drifting machine load hits both
+                directs.append(run_direct(engine, prompts, params))
+                batches.append(run_batch(engine, args.redis_url, namespace, source, work))
+    finally:
+        delete_namespace(conn, namespace)
+        conn.close()
+    if len({r.tokens for r in directs + batches}) != 1:
+        raise SystemExit(f"the runs generated different token counts: {directs} {batches}")
+    direct = max(directs, key=lambda r: r.tokens_per_s)
+    batch = max(batches, key=lambda r: r.tokens_per_s)
+    print(
+        f"{len(prompts)} requests ({args.prompt_len}-token W1 prompts as text, up to "
+        f"{args.gen} tokens), {engine.model_config.num_layers}-layer model on "
+        f"{engine.device}, best of {args.repeat}"
+    )
+    print(f"{'':<14}{'seconds':>10}{'tokens':>10}{'tok/s':>10}")
+    for name, run in (("engine", direct), ("batch run", batch)):
+        print(f"{name:<14}{run.seconds:>10.2f}{run.tokens:>10}{run.tokens_per_s:>10.1f}")
+    print(f"batch/engine throughput {batch.tokens_per_s / direct.tokens_per_s:.3f}")

@@ -1,0 +1,5 @@
+"""``python -m tokenq.cli``, as the `tokenq` command."""
+
+from tokenq.cli.dispatch import main
+
+raise SystemExit(main())

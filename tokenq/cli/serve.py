@@ -1,0 +1,115 @@
+"""`tokenq serve`: the OpenAI API gateway over the queue (tokenq/server/)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tokenq.cli.options import EXIT_USAGE, common_options, option, parse_size
+
+
+def add_commands(sub: Any) -> None:
+    """`tokenq serve`, the OpenAI API gateway (tokenq/server/gateway.py). Its options are parsed
+    by `serve_parser` once the command runs: importing the gateway (fastapi) when any other
+    command builds its parser would cost every command about half a second to start."""
+    serve = sub.add_parser(
+        "serve", help="the OpenAI API over the queue (needs tokenq[serve])", add_help=False
+    )
+    serve.add_argument("args", nargs=argparse.REMAINDER)
+    serve.set_defaults(run=lambda parsed: serve_main(parsed.args))
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    from tokenq.server.batch_api import BatchConfig
+    from tokenq.server.gateway import GatewayConfig
+
+    serve = argparse.ArgumentParser(
+        prog="tokenq serve", description="The OpenAI API over the queue."
+    )
+    common_options(serve)
+    option(serve, "--host", default="127.0.0.1", help="address to listen on")
+    option(serve, "--port", type=int, default=8000, help="port to listen on")
+    option(
+        serve,
+        "--max-body",
+        type=parse_size,
+        default=GatewayConfig.max_body_bytes,
+        help="request bodies over this many bytes get 413",
+    )
+    option(
+        serve,
+        "--request-timeout",
+        type=float,
+        default=GatewayConfig.request_timeout,
+        help="seconds: a job's deadline (the X-Tokenq-Timeout header may shorten it); 504",
+    )
+    option(
+        serve,
+        "--cancel-grace",
+        type=float,
+        default=GatewayConfig.cancel_grace,
+        help="seconds a job whose client left waits for a retry before it is cancelled",
+    )
+    option(
+        serve,
+        "--retry-after",
+        type=int,
+        default=GatewayConfig.retry_after,
+        help="seconds, in the Retry-After of a 429 (queue full)",
+    )
+    option(serve, "--max-backlog", type=int, help="429 beyond this many jobs in a model's lane")
+    option(
+        serve,
+        "--max-file",
+        type=parse_size,
+        default=BatchConfig.max_file_bytes,
+        help="batch input files over this many bytes get 413",
+    )
+    option(
+        serve,
+        "--batch-lock-ttl",
+        type=float,
+        default=BatchConfig.lock_ttl_s,
+        help="seconds after which a dead gateway's batches are taken over",
+    )
+    option(
+        serve,
+        "--batch-poll",
+        type=float,
+        default=BatchConfig.poll_s,
+        help="seconds between the batch runner's looks at Redis",
+    )
+    option(serve, "--log-level", default="warning", help="uvicorn's log level")
+    return serve
+
+
+def _not_installed(missing: str | None) -> int:
+    print(f"tokenq serve: {missing} is not installed: pip install 'tokenq[serve]'", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def serve_main(argv: list[str]) -> int:
+    """`tokenq serve ...` (the dispatcher sends it here before any other parsing)."""
+    try:
+        parser = serve_parser()
+    except ImportError as exc:
+        return _not_installed(exc.name)
+    from tokenq.server.batch_api import BatchConfig
+    from tokenq.server.gateway import GatewayConfig, serve
+
+    args = parser.parse_args(argv)
+    config = GatewayConfig(
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        max_body_bytes=args.max_body,
+        request_timeout=args.request_timeout,
+        cancel_grace=args.cancel_grace,
+        retry_after=args.retry_after,
+        max_backlog=args.max_backlog,
+    )
+    batches = BatchConfig(
+        max_file_bytes=args.max_file, poll_s=args.batch_poll, lock_ttl_s=args.batch_lock_ttl
+    )
+    serve(config, args.host, args.port, args.log_level, batches)
+    return 0

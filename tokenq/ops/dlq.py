@@ -1,0 +1,240 @@
+"""Dead letters (`<ns>:dead`, docs/protocol.md "Dead letters"): list, show, replay, purge.
+
+Replaying puts a dead job back on its original queue, under its original job id and with
+its original payload, once the cause is fixed (a worker for its model has started, the
+workers no longer die on it). A dead job has ended: its job key says `error` and its reply
+stream holds the `error` event, and a worker that finds either acknowledges the entry
+without running it ("one terminal event per job"). So the replay, one script (REPLAY):
+
+1. refuses if the dead letter is gone (replayed or purged meanwhile), or if the job key
+   holds anything but `error` (the job was submitted again and is queued, running or done);
+2. refuses, changing nothing, if the lane is full (QueueFull);
+3. deletes the job key, the reply stream, the owner and cancel keys: the job starts over
+   with a clean reply, as if never submitted;
+4. submits it with the client's own SUBMIT script (job key, queue set, entry, backlog
+   counter, doorbell), to the queue the entry came from;
+5. deletes the dead letter.
+
+A client that followed the old reply saw its `error` and stopped; one that asks for the
+result after the replay reads the new reply from its start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from tokenq.producer.client import SUBMIT, ClientConfig
+from tokenq.producer.errors import QueueFull
+from tokenq.protocol import (
+    DEFAULT_NAMESPACE,
+    LANES,
+    Keys,
+    ProtocolError,
+    decode_job,
+    lane_of,
+    unpack,
+)
+
+PAGE = 100  # dead letters read per call while looking for a job id
+
+# KEYS: the dead-letter stream, then the job's job, reply, owner and cancel keys
+# ARGV: the dead letter's id, then SUBMIT's arguments for this one job
+# ->    SUBMIT's answer, or {"gone"}, or {"state", <job key value>}
+REPLAY = (
+    """
+local dead, job = KEYS[1], KEYS[2]
+if #redis.call('XRANGE', dead, ARGV[1], ARGV[1]) == 0 then return {'gone'} end
+local state = redis.call('GET', job)
+if state and state ~= 'error' then return {'state', state} end
+local args = {unpack(ARGV, 2)}
+local ns, model, lane = args[1], args[7], args[10]
+local caps = {interactive = tonumber(args[3]), default = tonumber(args[4]),
+              batch = tonumber(args[5])}
+local have = tonumber(redis.call('GET', ns .. ':backlog:' .. model .. ':' .. lane) or '0')
+if have + 1 > caps[lane] then return {'full', lane, have, caps[lane], model} end
+redis.call('DEL', job, KEYS[3], KEYS[4], KEYS[5])
+-- SUBMIT, verbatim, reading its arguments from the table passed in.
+local function submit(ARGV)
+"""
+    + SUBMIT
+    + """
+end
+local answer = submit(args)
+redis.call('XDEL', dead, ARGV[1])
+return answer
+"""
+)
+
+
+class NotFound(LookupError):
+    """No dead letter by that id or job id."""
+
+
+class NotReplayable(ValueError):
+    """A dead letter that cannot go back on its queue; the message says why."""
+
+
+@dataclass
+class DeadLetter:
+    id: str  # its entry id in the dead-letter stream
+    job_id: str | None  # None: the entry had no readable job id
+    code: str
+    message: str
+    deliveries: int
+    consumer: str
+    failed_at: float  # unix seconds
+    queue: str | None  # the job stream the entry came from
+    entry_id: str  # its id there
+    truncated: bool  # `fields` keeps a prefix of each original field only
+    fields: dict[bytes, bytes]  # the original entry's fields (v, id, data)
+
+    @property
+    def payload(self) -> Any:
+        """The job payload (`data` unpacked), or None when it cannot be read."""
+        try:
+            return unpack(self.fields[b"data"])
+        except Exception:  # missing, truncated or not msgpack: msgpack raises many types
+            return None
+
+    def summary(self) -> dict[str, Any]:
+        """For listings: everything but the original fields."""
+        return {
+            "id": self.id,
+            "job_id": self.job_id,
+            "code": self.code,
+            "message": self.message,
+            "deliveries": self.deliveries,
+            "consumer": self.consumer,
+            "failed_at": self.failed_at,
+            "queue": self.queue,
+            "entry_id": self.entry_id,
+            "truncated": self.truncated,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The summary, plus the original entry (`data` unpacked when it can be)."""
+        fields = {
+            k.decode(errors="replace"): v.decode(errors="replace")
+            for k, v in self.fields.items()
+            if k != b"data"
+        }
+        data = self.fields.get(b"data")
+        return {
+            **self.summary(),
+            "fields": fields,
+            "payload": self.payload,
+            "data_bytes": None if data is None else len(data),
+        }
+
+
+def _text(value: bytes | None) -> str:
+    return "" if value is None else value.decode("utf-8", errors="replace")
+
+
+def parse(entry_id: bytes, raw: dict[bytes, bytes]) -> DeadLetter:
+    try:
+        fields = unpack(raw[b"fields"]) if b"fields" in raw else {}
+    except Exception:  # a dead letter written by something else: show what there is
+        fields = {}
+    return DeadLetter(
+        id=entry_id.decode(),
+        job_id=_text(raw.get(b"job_id")) or None,
+        code=_text(raw.get(b"code")),
+        message=_text(raw.get(b"message")),
+        deliveries=int(raw.get(b"deliveries", b"0")),
+        consumer=_text(raw.get(b"consumer")),
+        failed_at=float(raw.get(b"failed_at", b"0")),
+        queue=_text(raw.get(b"stream")) or None,
+        entry_id=_text(raw.get(b"entry_id")),
+        truncated=raw.get(b"truncated", b"0") == b"1",
+        fields=fields if isinstance(fields, dict) else {},
+    )
+
+
+class DeadLetters:
+    """The dead-letter stream of one namespace."""
+
+    def __init__(self, conn: redis.Redis, namespace: str = DEFAULT_NAMESPACE) -> None:
+        self.redis = conn
+        self.keys = Keys(namespace)
+        self._replay = conn.register_script(REPLAY)
+
+    def count(self) -> int:
+        return self.redis.xlen(self.keys.dead)
+
+    def newest(self, limit: int) -> list[DeadLetter]:
+        rows = self.redis.xrevrange(self.keys.dead, "+", "-", count=limit)
+        return [parse(eid, raw) for eid, raw in rows]
+
+    def find(self, ref: str) -> DeadLetter:
+        """The dead letter with this entry id, else the newest one of this job id."""
+        if ref.replace("-", "").isdigit() and ref.count("-") <= 1:
+            rows = self.redis.xrange(self.keys.dead, ref, ref)
+            if rows:
+                return parse(*rows[0])
+        end = "+"
+        while True:
+            rows = self.redis.xrevrange(self.keys.dead, end, "-", count=PAGE)
+            for eid, raw in rows:
+                if raw.get(b"job_id") == ref.encode():
+                    return parse(eid, raw)
+            if len(rows) < PAGE:
+                raise NotFound(f"no dead letter with id or job id {ref!r} in {self.keys.dead}")
+            end = "(" + rows[-1][0].decode()
+
+    def replay(self, letter: DeadLetter, config: ClientConfig | None = None) -> str:
+        """Put the job back on its queue (see the module's docstring) under the lane caps
+        and job TTL of `config`; returns the queue. Raises NotReplayable, QueueFull."""
+        config = config or ClientConfig(namespace=self.keys.namespace)
+        if letter.truncated:
+            raise NotReplayable(
+                f"dead letter {letter.id} is truncated (its entry was too large to keep "
+                "whole): it cannot be replayed; submit the job again"
+            )
+        where = self.keys.parse_queue(letter.queue or "")
+        if where is None:
+            raise NotReplayable(
+                f"dead letter {letter.id} came from {letter.queue or 'no known queue'}, "
+                "not a protocol 2 queue: submit the job again"
+            )
+        try:
+            job = decode_job(letter.fields)
+        except ProtocolError as exc:
+            raise NotReplayable(
+                f"dead letter {letter.id}: its entry is still invalid ({exc}); "
+                "fix it and submit it again"
+            ) from None
+        if job.job_id is None or job.job_id != letter.job_id:
+            raise NotReplayable(f"dead letter {letter.id} holds no job id to replay under")
+        model, priority, tenant = where
+        caps = [config.lane_cap(lane) for lane in LANES]
+        jid = job.job_id
+        k = self.keys
+        args = [letter.id, k.namespace, config.job_ttl, *caps, jid, model, priority, tenant]
+        args.append(lane_of(priority))
+        args += [letter.fields[b"v"], letter.fields[b"data"]]
+        answer = self._replay(
+            keys=[k.dead, k.job(jid), k.reply(jid), k.owner(jid), k.cancel(jid)], args=args
+        )
+        if answer[0] == b"gone":
+            raise NotFound(f"dead letter {letter.id} is gone (replayed or purged meanwhile)")
+        if answer[0] == b"state":
+            raise NotReplayable(
+                f"job {jid} is {answer[1].decode()}: it was submitted again since it died; "
+                "not replayed"
+            )
+        if answer[0] == b"full":
+            _, lane_b, have, cap, model_b = answer
+            raise QueueFull(int(have), int(cap), lane_b.decode(), model_b.decode())
+        return k.queue(model, priority, tenant)
+
+    def purge(self, through: str) -> int:
+        """Delete the dead letters up to and including entry id `through` (what was
+        counted before asking); those added since stay. Returns how many went."""
+        ms, _, seq = through.partition("-")
+        return self.redis.xtrim(
+            self.keys.dead, minid=f"{ms}-{int(seq or 0) + 1}", approximate=False
+        )

@@ -1,0 +1,51 @@
+"""The errors of the contract: a request refused before it runs (`InvalidRequest`, with
+the stable code clients match on) and a stream entry that breaks the protocol
+(`ProtocolError`, which also carries the job id), and how their messages quote bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# How much of a client's value an error message may quote: enough to recognise it, never
+# enough to turn a 10 MB parameter into a 10 MB error reply, dead letter and log line.
+CLIP_CHARS = 100
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, marking (with the full length) that it was cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} chars)"
+
+
+def quote(value: Any, limit: int = CLIP_CHARS) -> str:
+    """A bad value as a message quotes it: its ``repr``, clipped. A long string or bytes
+    is cut before its ``repr`` is made, so a hostile megabyte is never copied whole."""
+    if isinstance(value, str | bytes | bytearray) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} long)"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as a short message for a client: its type and its (clipped) text."""
+    return clip(f"{type(exc).__name__}: {exc}")
+
+
+class InvalidRequest(ValueError):
+    """A request refused before it runs; ``code`` is what clients match on."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ProtocolError(ValueError):
+    """A job that breaks the protocol; ``code`` is the error code sent to the client."""
+
+    def __init__(self, code: str, message: str, job_id: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.job_id = job_id

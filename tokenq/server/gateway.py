@@ -1,0 +1,644 @@
+"""`tokenq serve`: the OpenAI API in front of the queue (FastAPI on uvicorn, no torch).
+
+Each HTTP request becomes one job submitted with `AsyncClient`, and its answer is read
+from the job's reply stream; the translation both ways is tokenq/server/openai_api.py. The
+gateway keeps no state of its own that matters: jobs, replies and the few bookmarks below
+live in Redis, so any number of gateways serve side by side and a restarted one loses
+nothing the workers are running.
+
+- `Idempotency-Key` is the job id. A retried POST attaches to the job already submitted
+  and gets its generation, never a second run. A streaming retry continues after the last
+  event its client saw: the `Last-Event-ID` header (every SSE event carries the reply
+  stream's id), else the event the gateway last sent for that key (the bookmark
+  `ns:gw:sent:<id>`, written when a stream's client leaves).
+- A client that disconnects cancels its job, after `cancel_grace` seconds during which a
+  retry with the same key may attach instead, unless it sent `X-Tokenq-Keep-Running: 1`.
+  `ns:gw:watchers:<id>` counts the connections a job has beyond its first, so one leaving
+  while another watches cancels nothing.
+- Errors come in OpenAI's shape with their HTTP status; `create_app` leaves room for more
+  routers (`app.include_router`), which find the shared client in `app.state.client` and
+  its Redis connection in `app.state.redis`.
+- Operators get the fleet's Prometheus gauges at `/metrics` and a live page at
+  `/dashboard` (tokenq/server/dashboard.py), read from Redis on a blocking connection of their
+  own (prometheus_client collects synchronously) in the thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from tokenq.producer.client import AsyncClient, AsyncJob
+from tokenq.producer.errors import QueueFull, UnknownModel
+from tokenq.protocol import (
+    DEFAULT_NAMESPACE,
+    DONE,
+    ERROR,
+    JOB_ID_RE,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    ProtocolError,
+    RestartEvent,
+    TokenEvent,
+    quote,
+    reply_seq,
+)
+from tokenq.protocol.connection import DEFAULT_REDIS_URL
+from tokenq.server.batch_api import BatchConfig, batch_router
+from tokenq.server.dashboard import dashboard_router
+from tokenq.server.openai_api import (
+    BadRequest,
+    Logprobs,
+    Rendering,
+    chunk_body,
+    error_body,
+    job_error,
+    rendering,
+    response_body,
+    to_submit_kwargs,
+    usage_chunk,
+)
+
+KEEP_RUNNING = "x-tokenq-keep-running"
+TIMEOUT_HEADER = "x-tokenq-timeout"
+JOB_HEADER = "X-Tokenq-Job-Id"
+EVENT_ID_RE = re.compile(r"\d{1,20}-\d{1,20}")
+FLEET_TIMEOUT_S = 5.0  # /metrics and /dashboard/data: Redis silent this long is an error
+TRUE = ("1", "true", "yes", "on")
+log = logging.getLogger("tokenq.gateway")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    redis_url: str = DEFAULT_REDIS_URL
+    namespace: str = DEFAULT_NAMESPACE
+    # Bodies beyond this are refused (413) before they are read whole. A job's own limits
+    # (tokenq.protocol.Limits) apply to what is inside.
+    max_body_bytes: int = 8 << 20
+    # A job's deadline, from its submit, unless the request's X-Tokenq-Timeout is shorter:
+    # past it the job is stopped and the request answered 504.
+    request_timeout: float = 600.0
+    retry_after: int = 1  # seconds, in a 429's Retry-After
+    # How long a job whose client left keeps running for a retry to attach, then cancelled.
+    cancel_grace: float = 3.0
+    # The AsyncClient's reply reader: a new stream joins the shared XREAD within this.
+    block_ms: int = 10
+    max_connections: int = 100  # to Redis, shared by every request
+    retry_for: float = 5.0  # how long a request rides out an unreachable Redis: then 503
+    # Jobs a model's lane may hold before 429 (ClientConfig.max_backlog; None: its default).
+    max_backlog: int | None = None
+
+
+class ClientLeft(Exception):
+    """The HTTP client disconnected while its request was being answered."""
+
+
+def _error(exc: BadRequest, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    size = request.headers.get("content-length")
+    too_big = BadRequest(
+        f"the request body is over {limit} bytes", None, 413, code="payload_too_large"
+    )
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise too_big
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise too_big
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {quote(str(exc))}") from None
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the HTTP client disconnects (the body has been read: nothing else
+    can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Attachment:
+    """One HTTP request following one job: its events, and what happens when it leaves."""
+
+    def __init__(self, app: FastAPI, job: AsyncJob, keep_running: bool) -> None:
+        self.app = app
+        self.job = job
+        self.keep_running = keep_running
+        self.last_sent = "0-0"
+        self.finished = False
+
+    async def attach(self) -> None:
+        """A second connection to a job (a retry): counted, so that an earlier one's leaving
+        does not cancel the job this one follows."""
+        client: AsyncClient = self.app.state.client
+        key = _watchers_key(client, self.job.id)
+        async with client.redis.pipeline(transaction=False) as pipe:
+            pipe.incr(key)
+            pipe.expire(key, client.config.job_ttl)
+            await pipe.execute()
+
+    def leave(self) -> None:
+        """The client left before the end: bookmark what it was sent, and cancel the job
+        after the grace period unless another connection follows it by then. Safe to call
+        from a cancelled task (it only schedules)."""
+        if self.finished:
+            return
+        task = asyncio.get_running_loop().create_task(self._leave())
+        tasks: set[asyncio.Task[None]] = self.app.state.leaving
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _leave(self) -> None:
+        try:
+            await self._bookmark_and_cancel()
+        except redis.RedisError as exc:  # the job then runs to its end: nothing is lost
+            log.warning("job %s: its client left, and Redis failed: %s", self.job.id, exc)
+
+    async def _bookmark_and_cancel(self) -> None:
+        client: AsyncClient = self.app.state.client
+        config: GatewayConfig = self.app.state.config
+        watchers, sent = _watchers_key(client, self.job.id), _sent_key(client, self.job.id)
+        ttl = client.config.job_ttl
+        async with client.redis.pipeline(transaction=False) as pipe:
+            if self.last_sent != "0-0":
+                pipe.set(sent, self.last_sent, ex=ttl)
+            if not self.keep_running:
+                pipe.decr(watchers)
+                pipe.expire(watchers, ttl)
+            await pipe.execute()
+        if self.keep_running:
+            return
+        await asyncio.sleep(config.cancel_grace)
+        left = int(await client.redis.get(watchers) or 0)
+        if left < 0:  # counts the connections beyond the first: -1 is nobody
+            await self.job.cancel()
+
+
+def _watchers_key(client: AsyncClient, job_id: str) -> str:
+    return f"{client.config.namespace}:gw:watchers:{job_id}"
+
+
+def _sent_key(client: AsyncClient, job_id: str) -> str:
+    return f"{client.config.namespace}:gw:sent:{job_id}"
+
+
+async def _missing_model(client: AsyncClient, exc: UnknownModel) -> BadRequest:
+    """404 for a model nobody serves, 503 when its workers (or all workers) are gone."""
+    live = await client.models()
+    if not live:
+        return BadRequest("no live worker", "model", 503, "service_unavailable", "no_live_worker")
+    if exc.model is None:  # several models served: which one?
+        return BadRequest(str(exc), "model")
+    keys = client.keys
+    registered = await client.redis.zrange(keys.workers, 0, -1)
+    async with client.redis.pipeline(transaction=False) as pipe:
+        for consumer in registered:
+            pipe.hget(keys.worker(consumer.decode()), "names")
+        rows = await pipe.execute()
+    known = {name for row in rows if row for name in json.loads(row)}
+    if exc.model in known:
+        message = f"no live worker serves model {exc.model!r} (its workers stopped answering)"
+        return BadRequest(message, "model", 503, "service_unavailable", "no_live_worker")
+    return BadRequest(str(exc), "model", 404, "invalid_request_error", "model_not_found")
+
+
+def _timeout(request: Request, config: GatewayConfig) -> float:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return config.request_timeout
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise BadRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds", TIMEOUT_HEADER)
+    return min(value, config.request_timeout)
+
+
+def _job_id(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is not None and not JOB_ID_RE.fullmatch(key):
+        raise BadRequest(
+            f"Idempotency-Key {quote(key)} must match {JOB_ID_RE.pattern}", "Idempotency-Key"
+        )
+    return key
+
+
+async def _submit(request: Request, kind: str) -> tuple[str, AsyncJob, Rendering, float]:
+    """Validate the request and queue its job (or find the job its key names); returns
+    the model, the job, the answer's form and the request's timeout."""
+    app = request.app
+    client: AsyncClient = app.state.client
+    config: GatewayConfig = app.state.config
+    body = await _read_json(request, config.max_body_bytes)
+    kwargs = to_submit_kwargs(kind, body, client.config.limits)
+    form = rendering(kind, body)
+    job_id = _job_id(request)
+    timeout = _timeout(request, config)
+    if "model" not in kwargs:  # the one model served, as the client would pick it
+        models = await client.models()
+        if len(models) == 1:
+            kwargs["model"] = models[0].id
+    try:
+        job = await client.submit(job_id=job_id, deadline=time.time() + timeout, **kwargs)
+    except UnknownModel as exc:
+        raise await _missing_model(client, exc) from None
+    except QueueFull as exc:
+        raise BadRequest(str(exc), None, 429, "rate_limit_error", "queue_full") from None
+    except ProtocolError as exc:
+        raise job_error(exc.code, exc.message) from None
+    return kwargs["model"], job, form, timeout
+
+
+async def _check_reply(client: AsyncClient, job: AsyncJob) -> None:
+    """A retry after the job's reply expired (an hour after it ended) would wait forever."""
+    if await job.status() in (DONE, ERROR) and not await client.redis.exists(
+        client.keys.reply(job.id)
+    ):
+        raise BadRequest(
+            f"job {job.id} ended and its reply has expired", None, 409, code="reply_expired"
+        )
+
+
+def _failure(event: Event) -> BadRequest | None:
+    if isinstance(event, ErrorEvent):
+        return job_error(event.code, event.message)
+    if isinstance(event, DoneEvent) and event.finish_reason == "deadline":
+        return job_error(
+            "deadline_exceeded",
+            f"the deadline passed after {event.usage.completion_tokens} generated tokens",
+        )
+    return None
+
+
+async def generate(request: Request, kind: str) -> Response:
+    """One completion request, answered whole or as a stream; see the module's doc."""
+    app = request.app
+    config: GatewayConfig = app.state.config
+    client: AsyncClient = app.state.client
+    try:
+        model, job, form, timeout = await _submit(request, kind)
+        keep = request.headers.get(KEEP_RUNNING, "").lower() in TRUE
+        watch = Attachment(app, job, keep)
+        after = "0-0"
+        if job.duplicate:
+            await _check_reply(client, job)
+            await watch.attach()
+            if form.stream:
+                after = await _resume_point(request, client, job)
+        headers = {JOB_HEADER: job.id}
+        ended = after != "0-0" and await _ended_at(client, job, after)
+        # The wait is bounded by the job's deadline: the worker stops it there. The margin
+        # covers a worker that died holding it (another takes it over, within a minute).
+        events = job.stream(after=after, timeout=timeout + 90)
+        handed_over = False
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            if not form.stream:
+                return await _collect(kind, job, model, form, events, gone, headers)
+            # The first event decides the status: an error before any token gets its own.
+            first = None if ended else await _next(events, gone)
+            if first is not None and (failure := _failure(first)) is not None:
+                watch.finished = True
+                return _error(failure, headers)
+            stream = _sse(kind, job, model, form, events, first, ended, watch)
+            handed_over = True
+            return EventStream(stream, gone, headers)
+        except ClientLeft:
+            watch.leave()
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        except TimeoutError:
+            watch.leave()
+            return _error(job_error("deadline_exceeded", "no answer within the timeout"), headers)
+        finally:
+            if not handed_over:
+                gone.cancel()
+                await events.aclose()
+    except BadRequest as exc:
+        headers = {"Retry-After": str(config.retry_after)} if exc.status == 429 else None
+        return _error(exc, headers)
+    except redis.ConnectionError as exc:
+        error = BadRequest(f"Redis unavailable: {quote(str(exc))}", None, 503, "server_error")
+        return _error(error)
+    except redis.RedisError as exc:  # answering but refusing: full, read-only, ...
+        error = BadRequest(f"Redis refused: {quote(str(exc))}", None, 503, "server_error")
+        return _error(error)
+
+
+class EventStream(Response):
+    """Server-sent events, ended by the request's own disconnect watcher. Starlette's
+    StreamingResponse starts a task group and a second watcher for every response; this
+    request has one already (`_client_gone`, running since the wait for the first event),
+    which cancels the stream when the client leaves: about a fifth less gateway CPU per
+    short streamed request (docs/performance.md)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        chunks: AsyncGenerator[bytes, None],
+        gone: asyncio.Future[None],
+        headers: dict[str, str],
+    ) -> None:
+        self.chunks = chunks
+        self.gone = gone
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        streaming = True
+
+        def client_left(_: asyncio.Future[None]) -> None:
+            if streaming:  # a callback scheduled as the stream ended must not cancel later work
+                task.cancel()
+
+        self.gone.add_done_callback(client_left)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if self.gone.cancelled() or not self.gone.done():
+                raise  # not the client leaving: the server is stopping
+            task.uncancel()
+        finally:
+            streaming = False
+            self.gone.cancel()
+            await self.chunks.aclose()  # its `finally` hands the job to Attachment.leave
+
+
+async def _next(events: AsyncIterator[Event], gone: asyncio.Future[None]) -> Event:
+    """The next event, unless the client leaves first."""
+    step = asyncio.ensure_future(anext(events))
+    await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if step.done():
+        return step.result()
+    step.cancel()
+    raise ClientLeft
+
+
+async def _resume_point(request: Request, client: AsyncClient, job: AsyncJob) -> str:
+    last = request.headers.get("last-event-id")
+    if last is not None:
+        if not EVENT_ID_RE.fullmatch(last):
+            raise BadRequest("Last-Event-ID must be a reply event id (n-m)", "Last-Event-ID")
+        return last
+    bookmark = await client.redis.get(_sent_key(client, job.id))
+    return bookmark.decode() if bookmark else "0-0"
+
+
+async def _ended_at(client: AsyncClient, job: AsyncJob, after: str) -> bool:
+    """Whether the client already saw the job's final event (nothing more will come)."""
+    last = await client.redis.xrevrange(client.keys.reply(job.id), count=1)
+    if not last:
+        return False
+    entry_id, fields = last[0]
+    final = fields.get(b"type") in (DONE.encode(), ERROR.encode())
+    return final and reply_seq(entry_id) <= reply_seq(after)
+
+
+async def _collect(
+    kind: str,
+    job: AsyncJob,
+    model: str,
+    form: Rendering,
+    events: AsyncIterator[Event],
+    gone: asyncio.Future[None],
+    headers: dict[str, str],
+) -> Response:
+    logprobs = Logprobs() if form.logprobs is not None else None
+    while True:
+        event = await _next(events, gone)
+        if isinstance(event, TokenEvent) and logprobs is not None:
+            logprobs.add(event)
+        elif isinstance(event, RestartEvent) and logprobs is not None:
+            logprobs = Logprobs()
+        elif isinstance(event, DoneEvent | ErrorEvent):
+            break
+    failure = _failure(event)
+    if failure is not None:
+        return _error(failure, headers)
+    assert isinstance(event, DoneEvent)
+    body = response_body(kind, job.id, model, event, int(time.time()), logprobs, form.logprobs or 0)
+    return JSONResponse(body, headers=headers)
+
+
+def _sse_data(obj: Any, event_id: str | None = None) -> bytes:
+    head = f"id: {event_id}\n" if event_id else ""
+    return f"{head}data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+async def _sse(
+    kind: str,
+    job: AsyncJob,
+    model: str,
+    form: Rendering,
+    events: AsyncIterator[Event],
+    first: Event | None,
+    ended: bool,
+    watch: Attachment,
+) -> AsyncGenerator[bytes, None]:
+    """The stream in OpenAI's chunk format. Each chunk carries its reply event's id, so a
+    client can resume with Last-Event-ID. `EventStream` cancels this generator when the
+    client leaves: `finally` then hands the job to `Attachment.leave`."""
+    created = int(time.time())
+    usage = form.include_usage
+    top = form.logprobs or 0
+    sent_text = False
+    try:
+        if kind == "chat":
+            yield _sse_data(
+                chunk_body(kind, job.id, model, created, role=True, include_usage=usage)
+            )
+        pending = [first] if first is not None else []
+        while not ended:
+            if pending:
+                event = pending.pop()
+            else:
+                try:
+                    event = await anext(events)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    failure = job_error("deadline_exceeded", "no answer within the timeout")
+                    yield _sse_data(failure.body())
+                    break
+                except redis.ConnectionError as exc:  # the job runs on: a retry resumes it
+                    message = f"Redis unavailable: {quote(str(exc))}"
+                    yield _sse_data(error_body(message, "server_error", None, "redis_unavailable"))
+                    break
+            if isinstance(event, TokenEvent):
+                lp = None
+                if form.logprobs is not None and event.logprobs is not None:
+                    lp = Logprobs()
+                    lp.add(event)
+                if not event.text and lp is None:
+                    watch.last_sent = event.event_id
+                    continue
+                chunk = chunk_body(
+                    kind, job.id, model, created, text=event.text, logprobs=lp,
+                    top_logprobs=top, include_usage=usage,
+                )  # fmt: skip
+                sent_text = sent_text or bool(event.text)
+                yield _sse_data(chunk, event.event_id)
+                watch.last_sent = event.event_id
+            elif isinstance(event, RestartEvent):
+                if sent_text:  # what the client holds cannot be taken back: say so
+                    watch.finished = True
+                    message = "the job was re-run after a worker failure and its text changed"
+                    yield _sse_data(error_body(message, "server_error", None, "restarted"))
+                    break
+            else:
+                watch.finished = True
+                failure = _failure(event)
+                if failure is not None:
+                    yield _sse_data(failure.body(), event.event_id)
+                    break
+                assert isinstance(event, DoneEvent)
+                reason = event.finish_reason
+                end = chunk_body(
+                    kind, job.id, model, created, finish_reason=reason, include_usage=usage
+                )
+                yield _sse_data(end, event.event_id)
+                if usage:
+                    yield _sse_data(usage_chunk(kind, job.id, model, created, event))
+                break
+        watch.finished = True
+        yield b"data: [DONE]\n\n"
+    finally:
+        watch.leave()
+        await events.aclose()
+
+
+async def list_models(request: Request) -> JSONResponse:
+    client: AsyncClient = request.app.state.client
+    data = []
+    for m in await client.models():
+        created = int(m.heartbeat_at)
+        for name in (m.id, *m.aliases):
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "tokenq",
+                    "root": m.id,
+                    "parent": None,
+                    "max_model_len": m.max_model_len,
+                }
+            )
+    return JSONResponse({"object": "list", "data": data})
+
+
+def openai_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            return await list_models(request)
+        except redis.RedisError as exc:
+            return _error(BadRequest(f"Redis unavailable: {quote(str(exc))}", None, 503))
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completions")
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        try:
+            await request.app.state.redis.ping()
+        except redis.RedisError as exc:
+            return _error(BadRequest(f"Redis unavailable: {quote(str(exc))}", None, 503))
+        return Response(status_code=200)
+
+    return router
+
+
+def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None = None) -> FastAPI:
+    """The gateway's app: OpenAI's routes, the Files and Batches API (tokenq/server/batch_api.py),
+    the fleet's /metrics and the /dashboard page (tokenq/server/dashboard.py), and
+    `app.state.client` (an AsyncClient), `app.state.redis` (its connection) and
+    `app.state.config` for routers added later."""
+    config = config or GatewayConfig()
+    # The fleet's readers are blocking (prometheus_client collects synchronously): their
+    # own connection, run in the thread pool, with timeouts so a scrape never hangs.
+    fleet = redis.Redis.from_url(
+        config.redis_url, socket_timeout=FLEET_TIMEOUT_S, socket_connect_timeout=FLEET_TIMEOUT_S
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = AsyncClient(
+            config.redis_url,
+            namespace=config.namespace,
+            block_ms=config.block_ms,
+            max_connections=config.max_connections,
+            retry_for=config.retry_for,
+            **({} if config.max_backlog is None else {"max_backlog": config.max_backlog}),
+        )
+        app.state.client = client
+        app.state.redis = client.redis
+        app.state.leaving = set()
+        try:
+            yield
+        finally:
+            # Clients that left just before the shutdown still get their jobs cancelled.
+            await asyncio.gather(*app.state.leaving, return_exceptions=True)
+            await client.aclose()
+            fleet.close()
+
+    app = FastAPI(title="tokenq", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.config = config
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers
+        )
+
+    app.include_router(openai_router())
+    app.include_router(dashboard_router(fleet, config.namespace))
+    app.include_router(batch_router(batches))  # /v1/files, /v1/batches and their runner
+    return app
+
+
+def serve(
+    config: GatewayConfig,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    batches: BatchConfig | None = None,
+) -> None:
+    import uvicorn
+
+    uvicorn.run(
+        create_app(config, batches), host=host, port=port, log_level=log_level, access_log=False
+    )
