@@ -408,6 +408,64 @@ def test_dropped_request_cancels_the_job(gateway: GatewayProcess, client: Client
     assert wait_done(client, key).finish_reason == "cancelled"
 
 
+def register_ghost(conn: redis.Redis, namespace: str, model: str) -> None:
+    """A live worker in the registry that never takes a job: requests for its model are
+    accepted and wait in the queue for as long as a test needs."""
+    now = time.time()
+    info = {"names": json.dumps([model]), "max_model_len": 2048, "host": "ghost", "pid": 1}
+    conn.hset(f"{namespace}:worker:ghost", mapping={**info, "heartbeat_at": now})
+    conn.zadd(f"{namespace}:workers", {"ghost": int(now * 1000)})
+
+
+@pytest.fixture(scope="module")
+def ghost_gateway(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, namespace: str
+) -> Iterator[GatewayProcess]:
+    """A gateway of its own namespace whose one "worker" takes nothing."""
+    ns = f"{namespace}-ghost"
+    conn = redis.Redis.from_url(redis_url)
+    register_ghost(conn, ns, "ghost")
+    log = tmp_path_factory.mktemp("ghost-gw") / "gateway.log"
+    proc = GatewayProcess(redis_url, ns, log, "--cancel-grace", "0.1")
+    yield proc
+    proc.close()
+    conn.delete(*conn.scan_iter(match=f"{ns}:*", count=1000))
+    conn.close()
+
+
+def test_serve_says_where_it_listens_which_redis_and_the_models_it_sees(
+    ghost_gateway: GatewayProcess,
+) -> None:
+    lines = [line for line in ghost_gateway.log.read_text().splitlines() if "tokenq" in line]
+    assert f"listening on http://127.0.0.1:{ghost_gateway.port}" in lines[0], lines
+    assert "redis://127.0.0.1:6379/0" in lines[0] or "Redis redis://" in lines[0], lines
+    assert "-ghost; models: ghost" in lines[0], lines
+
+
+def test_a_client_that_leaves_before_its_first_token_is_one_info_line(
+    ghost_gateway: GatewayProcess,
+) -> None:
+    """Streamed or not, with or without an Idempotency-Key: the job is cancelled and the
+    log says so in one line, with no traceback."""
+    body = {"model": "ghost", "messages": MESSAGES}
+    for stream in (False, True):
+        for key in (f"left-{uuid.uuid4().hex}", None):
+            headers = {"Idempotency-Key": key} if key else {}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(
+                    f"{ghost_gateway.base}/v1/chat/completions",
+                    json={**body, "stream": stream}, headers=headers, timeout=0.5,
+                )  # fmt: skip
+    log = ghost_gateway.log
+    deadline = time.monotonic() + 20
+    while log.read_text().count("its client left before the end; cancelled") < 4:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    text = log.read_text()
+    assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
+    assert text.count("its client left") == 4, text[-3000:]
+
+
 # --- errors ------------------------------------------------------------------------------
 
 

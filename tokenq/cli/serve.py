@@ -80,7 +80,13 @@ def serve_parser() -> argparse.ArgumentParser:
         default=BatchConfig.poll_s,
         help="seconds between the batch runner's looks at Redis",
     )
-    option(serve, "--log-level", default="warning", help="uvicorn's log level")
+    option(
+        serve,
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the gateway's and uvicorn's log level",
+    )
     return serve
 
 

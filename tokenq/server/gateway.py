@@ -56,7 +56,7 @@ from tokenq.protocol import (
     quote,
     reply_seq,
 )
-from tokenq.protocol.connection import DEFAULT_REDIS_URL
+from tokenq.protocol.connection import DEFAULT_REDIS_URL, redacted
 from tokenq.server.batch_api import BatchConfig, batch_router
 from tokenq.server.dashboard import dashboard_router
 from tokenq.server.openai_api import (
@@ -185,11 +185,15 @@ class Attachment:
                 pipe.expire(watchers, ttl)
             await pipe.execute()
         if self.keep_running:
+            log.info("job %s: its client left; it runs on (%s)", self.job.id, KEEP_RUNNING)
             return
         await asyncio.sleep(config.cancel_grace)
         left = int(await client.redis.get(watchers) or 0)
         if left < 0:  # counts the connections beyond the first: -1 is nobody
             await self.job.cancel()
+            log.info("job %s: its client left before the end; cancelled", self.job.id)
+        else:
+            log.info("job %s: its client left; another connection follows it", self.job.id)
 
 
 def _watchers_key(client: AsyncClient, job_id: str) -> str:
@@ -396,6 +400,7 @@ async def _next(events: AsyncIterator[Event], gone: asyncio.Future[None]) -> Eve
     if step.done():
         return step.result()
     step.cancel()
+    await asyncio.wait({step})  # its generator must have stopped before anyone closes it
     raise ClientLeft
 
 
@@ -606,6 +611,7 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
         app.state.client = client
         app.state.redis = client.redis
         app.state.leaving = set()
+        await _say_where(app, client)
         try:
             yield
         finally:
@@ -616,6 +622,7 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
 
     app = FastAPI(title="tokenq", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
+    app.state.listen = "an ASGI server"  # `serve` names its address
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -630,15 +637,36 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
     return app
 
 
+async def _say_where(app: FastAPI, client: AsyncClient) -> None:
+    """One line at start: where the gateway listens, which Redis and namespace it serves
+    and the models live workers serve there now."""
+    config: GatewayConfig = app.state.config
+    where = f"Redis {redacted(config.redis_url)}, namespace {config.namespace}"
+    try:
+        names = [m.id for m in await client.models()]
+    except redis.RedisError as exc:
+        log.warning("listening on %s; %s does not answer yet: %s", app.state.listen, where, exc)
+        return
+    models = ", ".join(names) if names else "none yet (no live worker)"
+    log.info("listening on %s; %s; models: %s", app.state.listen, where, models)
+
+
 def serve(
     config: GatewayConfig,
     host: str,
     port: int,
-    log_level: str = "warning",
+    log_level: str = "info",
     batches: BatchConfig | None = None,
 ) -> None:
+    """Run the gateway. `log_level` is uvicorn's and the gateway's own (`tokenq.*` loggers:
+    the start line, clients that leave); requests themselves are not logged."""
     import uvicorn
 
-    uvicorn.run(
-        create_app(config, batches), host=host, port=port, log_level=log_level, access_log=False
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    own = logging.getLogger("tokenq")
+    own.addHandler(handler)
+    own.setLevel(log_level.upper())
+    app = create_app(config, batches)
+    app.state.listen = f"http://{host}:{port}"
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
