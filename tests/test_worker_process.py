@@ -370,3 +370,20 @@ def test_auto_gives_the_redis_side_a_process_only_where_torch_leaves_a_core(
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="process"):
         make_worker(engine, "redis://127.0.0.1:1", fast_config("x"), side="elsewhere")
+
+
+def test_the_workers_log_names_its_model_and_the_dtype_it_computes_in_and_why(
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    log = tmp_path / "worker.log"
+    with WorkerProcess(tiny_model, redis_url, redis_namespace, log) as worker:
+        worker.wait_registered()
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    loading = next(line for line in lines if line["event"] == "loading model")
+    assert loading["model"] == str(tiny_model)
+    dtype = next(line for line in lines if line["event"].startswith("computing in"))
+    assert dtype["event"] == "computing in float32 on cpu (dtype given)"
+    assert dtype["level"] == "info" and dtype["logger"].startswith("tokenq.engine")

@@ -1,4 +1,6 @@
-"""structlog setup: context first (the job id bound per job), JSON lines in production."""
+"""structlog setup: context first (the job id bound per job), JSON lines in production.
+The engine logs through the standard library (it knows no structlog): its `tokenq.*`
+records (the dtype chosen and why, a dequantized file) come out in the same format."""
 
 from __future__ import annotations
 
@@ -28,3 +30,18 @@ def configure_logging(json: bool = True, level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=[
+                structlog.stdlib.add_logger_name,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+            ],
+        )
+    )
+    own = logging.getLogger("tokenq")
+    own.handlers[:] = [handler]
+    own.setLevel(level.upper())
+    own.propagate = False

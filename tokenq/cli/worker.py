@@ -165,7 +165,8 @@ def run_worker(args: argparse.Namespace) -> int:
     configure_logging(json=args.log_format == "json", level=args.log_level)
     log = structlog.get_logger("tokenq.worker")
     engine_config = EngineConfig(**engine_kwargs(args))
-    log.info("loading model", **engine_kwargs(args))
+    given = {k: v for k, v in engine_kwargs(args).items() if k != "model"}
+    log.info("loading model", model=engine_config.model, **given)
     engine = LLMEngine(engine_config)
     options = worker_kwargs(args)
     options.setdefault("consumer", default_consumer())
