@@ -21,7 +21,15 @@ import redis
 from tests.faults import WorkerProcess
 from tests.test_worker_support import tiny_model, wait_for  # noqa: F401
 from tokenq.batch import runner as batch
-from tokenq.batch.runner import DoneSet, job_id_for, load_done, repair, scan_input
+from tokenq.batch.runner import (
+    DoneSet,
+    LineError,
+    job_id_for,
+    load_done,
+    parse_line,
+    repair,
+    scan_input,
+)
 from tokenq.producer.client import Client
 from tokenq.protocol import Keys
 
@@ -244,6 +252,20 @@ def test_malformed_lines_are_reported_with_their_line_numbers_and_the_rest_is_do
     again = run_batch(redis_url, redis_namespace, source, out, "--errors", str(errors))
     assert "0 done, 0 failed, 28 answered before" in again.stderr, again.stderr[-2000:]
     assert len(records(errors)) == 8
+    # Its status describes the whole batch, resumed or not: lines failed.
+    assert "(8 of them failed)" in again.stderr, again.stderr[-2000:]
+    assert again.returncode == 1, again.stderr[-3000:]
+
+
+def test_a_line_that_is_not_json_is_named_by_its_own_column() -> None:
+    """The parser sees one line: its position is a column of that line (with the line's
+    newline it named the next line of a one-line document)."""
+    for raw, column in ((b'{"custom_id": "a"\n', 18), (b"{not json\r\n", 2)):
+        with pytest.raises(LineError) as info:
+            parse_line(raw, 3)
+        assert info.value.code == "invalid_json"
+        assert info.value.message.startswith("line 3 is not JSON: ")
+        assert info.value.message.endswith(f" at column {column}"), info.value.message
 
 
 def test_results_of_another_batch_are_refused(

@@ -103,9 +103,12 @@ class BatchLine:
 def parse_line(raw: bytes, line: int) -> BatchLine:
     """A batch line, or LineError naming what is wrong with it."""
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LineError("invalid_json", f"line {line} is not JSON: {exc}") from None
+        obj = json.loads(raw.rstrip(b"\r\n"))
+    except UnicodeDecodeError as exc:
+        raise LineError("invalid_json", f"line {line} is not UTF-8: {exc}") from None
+    except json.JSONDecodeError as exc:  # its own position: the line is all the parser saw
+        where = f"column {exc.colno}" if exc.lineno == 1 else f"char {exc.pos}"
+        raise LineError("invalid_json", f"line {line} is not JSON: {exc.msg} at {where}") from None
     if not isinstance(obj, dict):
         raise LineError("invalid_request", f"line {line} is not a JSON object")
     custom_id = obj.get("custom_id")
@@ -176,10 +179,13 @@ def _sorted_array(keys: Iterable[int]) -> array[int]:
 
 class DoneSet:
     """What earlier runs answered, read from the output and errors files: a sorted array of
-    64-bit digests (8 bytes per line, against about 100 for a Python set of strings)."""
+    64-bit digests (8 bytes per line, against about 100 for a Python set of strings), and
+    how many of those answers were failures (a resumed run's exit status describes the
+    whole batch)."""
 
-    def __init__(self, keys: Iterable[int] = ()) -> None:
+    def __init__(self, keys: Iterable[int] = (), failed: int = 0) -> None:
         self.keys = _sorted_array(keys)
+        self.failed = failed
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -232,10 +238,23 @@ def done_from(sources: Iterable[tuple[str, Iterable[bytes]]], batch_id: str) -> 
     """The lines answered in these (name, lines) of output and errors. A record from
     another batch means the results belong to another input: refuse rather than mix two
     batches."""
-    return DoneSet(_answered_keys(sources, f"batch-{batch_id}"))
+    failed = 0
+
+    def every() -> Iterator[int]:
+        nonlocal failed
+        for key, error in _answered_keys(sources, f"batch-{batch_id}"):
+            failed += error
+            yield key
+
+    done = DoneSet(every())
+    done.failed = failed  # counted as `every` was read
+    return done
 
 
-def _answered_keys(sources: Iterable[tuple[str, Iterable[bytes]]], prefix: str) -> Iterator[int]:
+def _answered_keys(
+    sources: Iterable[tuple[str, Iterable[bytes]]], prefix: str
+) -> Iterator[tuple[int, bool]]:
+    """(key, answered with an error?) of every record: an error, or a response refusing."""
     for name, lines in sources:
         for number, raw in enumerate(lines, 1):
             try:
@@ -252,7 +271,8 @@ def _answered_keys(sources: Iterable[tuple[str, Iterable[bytes]]], prefix: str) 
                     f"batch's ids start {prefix}-): the input changed? Write to another "
                     "file, or pass that batch's --batch-id"
                 )
-            yield _key(custom_id, error.get("line"))
+            failed = bool(error) or response.get("status_code", 200) != 200
+            yield _key(custom_id, error.get("line")), failed
 
 
 @dataclass
@@ -261,6 +281,7 @@ class Counts:
 
     total: int = 0
     already: int = 0  # answered by an earlier run
+    already_failed: int = 0  # answers of an earlier run that were errors
     succeeded: int = 0
     failed: int = 0  # answered with an error (worker error, malformed line, duplicate)
     tokens: int = 0  # completion tokens generated in this run
@@ -386,6 +407,7 @@ class BatchRun:
 
     def run(self, lines: Iterable[tuple[int, bytes]], done: DoneSet) -> Counts:
         """Submit every line not already answered, then wait for every answer."""
+        self.counts.already_failed = done.failed
         batch: list[_Pending] = []
         for number, raw in lines:
             if self.stopped.is_set():

@@ -59,8 +59,9 @@ def add_commands(sub: Any) -> None:
 
 
 def cmd_batch_run(args: argparse.Namespace) -> int:
-    """Exit 0: every line answered with a result; 1: finished, some lines failed (see the
-    errors file); 2: the batch cannot run; 130: interrupted (the same command resumes)."""
+    """Exit 0: every line answered with a result; 1: finished, some lines failed, in this
+    run or an earlier one it resumed (see the errors file); 2: the batch cannot run; 130:
+    interrupted (the same command resumes)."""
     # Imported here: the conversion comes with the gateway's module, and tqdm is an extra.
     try:
         from tqdm import tqdm
@@ -139,9 +140,10 @@ def cmd_batch_run(args: argparse.Namespace) -> int:
         os._exit(130)
     print(
         f"batch {batch_id}: {counts.total} lines: {counts.succeeded} done, "
-        f"{counts.failed} failed, {counts.already} answered before; "
+        f"{counts.failed} failed, {counts.already} answered before "
+        f"({counts.already_failed} of them failed); "
         f"{counts.tokens} tokens at {counts.tokens_per_s():.1f} tokens/s; "
         f"results in {args.output}, errors in {errors}",
         file=sys.stderr,
     )
-    return EXIT_JOB_FAILED if counts.failed else 0
+    return EXIT_JOB_FAILED if counts.failed or counts.already_failed else 0
