@@ -113,13 +113,13 @@ def drop_stack(stack: Stack) -> None:
 class BridgeProcess:
     """`tokenq celery` in a subprocess, its log in a file."""
 
-    def __init__(self, stack: Stack, log: Path, *extra: str) -> None:
+    def __init__(self, stack: Stack, log: Path, *extra: str, queue_anyway: bool = True) -> None:
         cmd = [
             sys.executable, "-m", "tokenq.cli", "celery",
             "--redis-url", stack.url, "--namespace", stack.namespace,
             "--broker", stack.url, "--backend", stack.url, "--queue", stack.queue,
             "--celery-config", stack.config_module, "--concurrency", "8",
-            "--model", TEST_MODEL, "--queue-anyway", *extra,
+            "--model", TEST_MODEL, *(["--queue-anyway"] if queue_anyway else []), *extra,
         ]  # fmt: skip
         path = os.pathsep.join(filter(None, [str(stack.config_dir), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
@@ -312,6 +312,23 @@ assert "torch" not in sys.modules
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_an_unknown_model_fails_the_task_as_an_answer_without_a_traceback(
+    redis_url: str, tmp_path: Path
+) -> None:
+    stack = make_stack(redis_url, f"tqtest-{uuid.uuid4().hex[:12]}", tmp_path)
+    try:
+        with BridgeProcess(stack, tmp_path / "bridge.log", queue_anyway=False) as bridge:
+            r = stack.send(prompt="x", model="no-such-model")
+            error = r.get(timeout=30, propagate=False)
+            assert r.state == "FAILURE"
+            assert isinstance(error, JobFailed) and error.code == "unknown_model", error
+            assert "no-such-model" in error.message
+            log = bridge.log.read_text()
+        assert "raised unexpected" not in log and "Traceback" not in log, log[-3000:]
+    finally:
+        drop_stack(stack)
 
 
 @engine_threads

@@ -32,7 +32,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from tokenq.producer.client import Client, Job
-from tokenq.producer.errors import JobFailed, QueueFull, RedisUnavailable
+from tokenq.producer.errors import JobFailed, QueueFull, RedisUnavailable, UnknownModel
 from tokenq.protocol import (
     PROMPT_FIELDS,
     DoneEvent,
@@ -231,6 +231,8 @@ class Bridge:
                 job = self.client.submit(job_id=job_id, **job_kwargs(previous, kwargs))
             except ProtocolError as exc:  # refused before it reached Redis
                 raise JobFailed(job_id, exc.code, exc.message) from None
+            except UnknownModel as exc:  # an answer, as a refused job is: no traceback
+                raise JobFailed(job_id, "unknown_model", str(exc)) from None
             if job.duplicate:
                 log.info("task %s: attached to its tokenq job, already submitted", job_id)
                 self._check_reply_kept(job)
