@@ -256,6 +256,41 @@ def test_every_cli_option_reads_its_environment_variable(monkeypatch: pytest.Mon
     assert parse_size("512M") == 512 << 20 and parse_size("1048576") == 1 << 20
 
 
+def test_help_states_each_default_once_and_jobs_name_their_model_by_their_own_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TOKENQ_MODEL is the worker's model to load (a path or an alias); the client's
+    commands read the model a job names from TOKENQ_JOB_MODEL."""
+    import argparse
+    import re
+
+    from tokenq.cli import dispatch
+    from tokenq.cli import worker as worker_cli
+
+    monkeypatch.setenv("TOKENQ_MODEL", "/models/tiny")
+    parsers = [dispatch.build_parser(), worker_cli.build_parser()]
+    helps = []
+    for parser in parsers:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    helps.append(sub.format_help())
+                    helps += [
+                        verb.format_help()
+                        for a in sub._actions
+                        if isinstance(a, argparse._SubParsersAction)
+                        for verb in a.choices.values()
+                    ]
+    text = re.sub(r"\s+", " ", "".join(helps))
+    assert "default None" not in text
+    assert "(default 64)" not in text and "TOKENQ_MAX_NUM_SEQS; default 64]" in text
+    assert dispatch.build_parser().parse_args(["submit", "hi"]).model is None
+    monkeypatch.setenv("TOKENQ_JOB_MODEL", "tiny")
+    assert dispatch.build_parser().parse_args(["submit", "hi"]).model == "tiny"
+    args = worker_cli.build_parser().parse_args(["worker"])
+    assert worker_cli.engine_kwargs(args)["model"] == "/models/tiny"
+
+
 def test_a_burst_of_events_on_many_followed_streams_reaches_the_caller_in_one_hand_off(
     redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,6 +14,7 @@ from tokenq.cli.options import (
     EXIT_JOB_FAILED,
     EXIT_NO_REDIS,
     EXIT_USAGE,
+    JOB_MODEL_ENV,
     common_options,
     flag_option,
     option,
@@ -37,7 +38,12 @@ def add_commands(sub: Any) -> None:
     run.add_argument("input", type=Path, help="requests, one OpenAI batch line each (JSONL)")
     run.add_argument("output", type=Path, help="answers, appended (OpenAI batch output lines)")
     option(run, "--errors", type=Path, help="failed lines (default: OUTPUT's name + .errors)")
-    option(run, "--model", help="run every line on this model, whatever its body names")
+    option(
+        run,
+        "--model",
+        env=JOB_MODEL_ENV,
+        help="run every line on this model, whatever its body names",
+    )
     option(
         run,
         "--max-outstanding",

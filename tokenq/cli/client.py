@@ -17,6 +17,7 @@ from tokenq.cli.options import (
     EXIT_QUEUE_FULL,
     EXIT_TIMEOUT,
     EXIT_USAGE,
+    JOB_MODEL_ENV,
     common_options,
     flag_option,
     option,
@@ -40,7 +41,12 @@ def add_commands(sub: Any) -> None:
     option(submit, "--temperature", type=float, default=0.0, help="0 is greedy")
     option(submit, "--top-p", type=float, help="nucleus sampling")
     option(submit, "--seed", type=int, help="sampling seed")
-    option(submit, "--model", help="the model's name (default: the one model served)")
+    option(
+        submit,
+        "--model",
+        env=JOB_MODEL_ENV,
+        help="the model's name (default: the one model served)",
+    )
     option(submit, "--priority", type=int, help="lower runs first; its sign picks the lane")
     option(submit, "--lane", choices=LANES, help="interactive, default or batch")
     option(submit, "--tenant", help="whose job: lanes serve tenants in turn")

@@ -49,10 +49,14 @@ def option(
     type: Callable[[str], Any] = str,
     default: Any = None,
     help: str = "",
+    env: str | None = None,
+    shown: Any = None,
     **kwargs: Any,
 ) -> None:
-    """An option whose default comes from its environment variable when that is set."""
-    env = env_name(flag)
+    """An option whose default comes from its environment variable when that is set
+    (`env`, else one named for the flag). `shown`: the default to state when the flag's own
+    is None because a settings dataclass fills it in; none is stated when neither is set."""
+    env = env or env_name(flag)
     raw = os.environ.get(env)
     value = default
     if raw is not None:
@@ -62,9 +66,14 @@ def option(
             # Every command's parser is built at start: not the usage of whichever is first.
             print(f"tokenq: {env}: {exc}", file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
-    parser.add_argument(
-        flag, type=type, default=value, help=f"{help} [env {env}; default {default}]", **kwargs
-    )
+    stated = default if shown is None else shown
+    suffix = f"[env {env}]" if stated is None else f"[env {env}; default {stated}]"
+    parser.add_argument(flag, type=type, default=value, help=f"{help} {suffix}", **kwargs)
+
+
+# The model a job names, for the client's commands: not TOKENQ_MODEL, which is the worker's
+# model to load (a path or an alias, as vLLM's --model).
+JOB_MODEL_ENV = "TOKENQ_JOB_MODEL"
 
 
 def flag_option(parser: argparse.ArgumentParser, flag: str, help: str) -> None:

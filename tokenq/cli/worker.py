@@ -79,7 +79,7 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
     defaults = _defaults(EngineConfig)
     for name, (parse, help) in ENGINE_OPTIONS.items():
         flag = "--" + name.replace("_", "-")
-        option(parser, flag, type=parse, help=f"{help} (default {defaults[name]})")
+        option(parser, flag, type=parse, help=help, shown=defaults[name])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = _defaults(WorkerConfig)
     for name, (flag, parse, help) in WORKER_OPTIONS.items():
         shown = defaults.get(name, "host-pid")
-        option(worker, flag, type=parse, dest=name, help=f"{help} (default {shown})")
+        option(worker, flag, type=parse, dest=name, help=help, shown=shown)
     option(
         worker,
         "--served-model-name",
