@@ -141,6 +141,15 @@ def test_models(gateway: GatewayProcess) -> None:
     assert models.data[0].owned_by == "tokenq"
 
 
+def test_a_model_is_retrieved_by_name_and_an_unknown_one_is_a_404(gateway: GatewayProcess) -> None:
+    sdk = gateway.sdk(max_retries=0)
+    model = sdk.models.retrieve(MODEL)
+    assert (model.id, model.owned_by) == (MODEL, "tokenq")
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk.models.retrieve("no-such-model")
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+
+
 def test_chat_greedy_equals_the_engines_tokens(gateway: GatewayProcess, client: Client) -> None:
     sdk = gateway.sdk()
     out = sdk.chat.completions.create(

@@ -124,7 +124,30 @@ class Fleet:
     dead_letters: int
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """As data, each labelled figure of a worker's load nested: `{"name": [{label: value,
+        ..., "value": v}]}` rather than Prometheus's `name{label="value"}` as a key."""
+        out = asdict(self)
+        for worker in out["workers"]:
+            worker["load"] = nest_labels(worker["load"])
+        return out
+
+
+LABELLED = re.compile(r'^(\w+)\{(.*)\}$')
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def nest_labels(figures: dict[str, float]) -> dict[str, Any]:
+    """`{'total{code="x"}': 1, 'running': 2}` as `{"total": [{"code": "x", "value": 1}],
+    "running": 2}`."""
+    out: dict[str, Any] = {}
+    for key, value in figures.items():
+        found = LABELLED.match(key)
+        if found is None:
+            out[key] = value
+            continue
+        labels = dict(LABEL.findall(found[2]))
+        out.setdefault(found[1], []).append({**labels, "value": value})
+    return out
 
 
 def _text(value: bytes | str | None) -> str | None:

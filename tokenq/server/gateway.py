@@ -537,7 +537,8 @@ async def _sse(
         await events.aclose()
 
 
-async def list_models(request: Request) -> JSONResponse:
+async def model_cards(request: Request) -> list[dict[str, Any]]:
+    """OpenAI's model objects, one per name the live workers serve (aliases included)."""
     client: AsyncClient = request.app.state.client
     data = []
     for m in await client.models():
@@ -554,7 +555,7 @@ async def list_models(request: Request) -> JSONResponse:
                     "max_model_len": m.max_model_len,
                 }
             )
-    return JSONResponse({"object": "list", "data": data})
+    return data
 
 
 def openai_router() -> APIRouter:
@@ -563,9 +564,22 @@ def openai_router() -> APIRouter:
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
-            return await list_models(request)
+            return JSONResponse({"object": "list", "data": await model_cards(request)})
         except redis.RedisError as exc:
             return _error(BadRequest(f"Redis unavailable: {quote(str(exc))}", None, 503))
+
+    @router.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> Response:
+        try:
+            cards = await model_cards(request)
+        except redis.RedisError as exc:
+            return _error(BadRequest(f"Redis unavailable: {quote(str(exc))}", None, 503))
+        card = next((c for c in cards if c["id"] == model), None)
+        if card is None:
+            missing = f"no live worker serves model {quote(model)}"
+            kind = "invalid_request_error"
+            return _error(BadRequest(missing, "model", 404, kind, "model_not_found"))
+        return JSONResponse(card)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
