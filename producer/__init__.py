@@ -16,7 +16,15 @@ from tokenq.producer.errors import (
     RedisUnavailable,
     UnknownModel,
 )
-from tokenq.protocol import DoneEvent, ErrorEvent, Event, JobRequest, RestartEvent, TokenEvent
+from tokenq.protocol import (
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    InvalidRequest,
+    JobRequest,
+    RestartEvent,
+    TokenEvent,
+)
 
 __all__ = [
     "AsyncClient",
@@ -27,6 +35,7 @@ __all__ = [
     "DoneEvent",
     "ErrorEvent",
     "Event",
+    "InvalidRequest",
     "Job",
     "JobFailed",
     "JobRequest",

@@ -61,6 +61,7 @@ from tokenq.protocol import (
     lane_of,
     new_job_id,
     pack,
+    quote,
 )
 from tokenq.protocol.connection import DEFAULT_REDIS_URL, keepalive_for, version_tuple
 
@@ -178,7 +179,12 @@ def _prepare(requests: Iterable[JobRequest], limits: Limits) -> list[JobRequest]
 
 def _payload(req: JobRequest, limits: Limits) -> bytes:
     """A routed job as its entry's msgpack payload, packed once, where its size is checked."""
-    payload = pack(req.payload())
+    try:
+        payload = pack(req.payload())
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no UTF-8 holds it
+        bad = quote(exc.object[exc.start : exc.end])
+        message = f"the job holds text that is not valid Unicode: {bad} has no UTF-8 encoding"
+        raise ProtocolError("invalid_request", message, req.job_id) from None
     if len(payload) > limits.max_payload_bytes:
         raise ProtocolError(
             "payload_too_large",

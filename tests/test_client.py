@@ -256,6 +256,20 @@ def test_every_cli_option_reads_its_environment_variable(monkeypatch: pytest.Mon
     assert parse_size("512M") == 512 << 20 and parse_size("1048576") == 1 << 20
 
 
+def test_submit_refuses_text_that_no_encoding_holds_before_anything_reaches_redis(
+    redis_url: str, redis_namespace: str
+) -> None:
+    from tokenq import InvalidRequest
+
+    with Client(redis_url, namespace=redis_namespace, **CLIENT) as client:
+        for job in ({"prompt": "\ud800"}, {"messages": [{"role": "user", "content": "a\udfff"}]}):
+            with pytest.raises(InvalidRequest) as info:
+                client.submit(job_id="lone", **job)
+            assert info.value.code == "invalid_request"
+            assert "not valid Unicode" in info.value.message
+        assert not client.redis.exists(client.keys.job("lone"))
+
+
 def test_help_states_each_default_once_and_jobs_name_their_model_by_their_own_variable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

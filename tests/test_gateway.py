@@ -511,6 +511,24 @@ def test_bad_requests_never_reach_the_queue(
     assert job_keys(redis_conn, namespace) == before
 
 
+def test_text_no_encoding_holds_and_json_nested_past_the_parser_are_400s(
+    gateway: GatewayProcess,
+) -> None:
+    """Every input gets a 4xx in OpenAI's shape, never a plain-text 500."""
+    lone = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]})
+    for body in (lone, "[" * 100_000):
+        answer = httpx.post(
+            f"{gateway.base}/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error", error
+    assert "not valid Unicode" in error["message"] or "nested" in error["message"]
+
+
 def test_worker_refusal_is_a_400(gateway: GatewayProcess) -> None:
     """A prompt longer than the worker's context is known only to the worker: the
     streamed request still gets its status, since no token was sent before."""

@@ -26,6 +26,7 @@ __all__ = [
     "DoneEvent",
     "ErrorEvent",
     "Event",
+    "InvalidRequest",
     "Job",
     "JobFailed",
     "JobRequest",

@@ -106,6 +106,8 @@ def parse_line(raw: bytes, line: int) -> BatchLine:
         obj = json.loads(raw.rstrip(b"\r\n"))
     except UnicodeDecodeError as exc:
         raise LineError("invalid_json", f"line {line} is not UTF-8: {exc}") from None
+    except RecursionError:
+        raise LineError("invalid_json", f"line {line} is nested too deeply to parse") from None
     except json.JSONDecodeError as exc:  # its own position: the line is all the parser saw
         where = f"column {exc.colno}" if exc.lineno == 1 else f"char {exc.pos}"
         raise LineError("invalid_json", f"line {line} is not JSON: {exc.msg} at {where}") from None

@@ -41,11 +41,12 @@ class InvalidRequest(ValueError):
         self.message = message
 
 
-class ProtocolError(ValueError):
-    """A job that breaks the protocol; ``code`` is the error code sent to the client."""
+class ProtocolError(InvalidRequest):
+    """A job that breaks the protocol; ``code`` is the error code sent to the client, with
+    the job's id when it could be read."""
 
     def __init__(self, code: str, message: str, job_id: str | None = None) -> None:
-        super().__init__(f"{code}: {message}")
+        ValueError.__init__(self, f"{code}: {message}")
         self.code = code
         self.message = message
         self.job_id = job_id

@@ -517,7 +517,7 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
     async def create_batch(request: Request) -> Response:
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return _error(BadRequest("the request body must be JSON"))
         if not isinstance(body, dict):
             return _error(BadRequest("the request body must be a JSON object"))

@@ -126,6 +126,8 @@ async def _read_json(request: Request, limit: int) -> Any:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {quote(str(exc))}") from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply to parse") from None
 
 
 async def _client_gone(request: Request) -> None:
