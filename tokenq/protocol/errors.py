@@ -33,12 +33,14 @@ def describe(exc: BaseException) -> str:
 
 
 class InvalidRequest(ValueError):
-    """A request refused before it runs; ``code`` is what clients match on."""
+    """A request refused before it runs; ``code`` is what clients match on, ``param`` the
+    parameter at fault where one is (the gateway answers with it as OpenAI's ``param``)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
 
 class ProtocolError(ValueError):
