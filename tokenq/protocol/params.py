@@ -173,11 +173,13 @@ def _check_names(params: Any) -> None:
     if not isinstance(params, dict):
         raise InvalidRequest("invalid_params", "params must be a mapping")
     if not _FIELDS.issuperset(params):
-        unknown = sorted(str(k) for k in params if k not in _FIELDS)
+        # The first few, as they came: a hostile map may hold 100,000s of keys.
+        unknown = [k for k in params if k not in _FIELDS]
         names = ", ".join(quote(k, 40) for k in unknown[:5])
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        param = unknown[0] if isinstance(unknown[0], str) else None
         raise InvalidRequest(
-            "invalid_params", f"unknown parameter(s): {names}{more}", clip(unknown[0], 40)
+            "invalid_params", f"unknown parameter(s): {names}{more}", param and clip(param, 40)
         )
 
 
