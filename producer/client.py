@@ -139,7 +139,9 @@ def make_request(
     metadata: Any = None,
     **params: Any,
 ) -> JobRequest:
-    """A job from keyword arguments; sampling parameters go by vLLM's names.
+    """A job from keyword arguments; sampling parameters go by vLLM's names. Submitting
+    checks their names and sizes; their values the worker checks, and a bad one ends the job
+    with `invalid_params` and the message `SamplingParams` gives (build one to check first).
 
     `priority` (lower first) picks the lane by its sign; `lane` alone ("interactive",
     "default", "batch") stands for priority -1, 0 or 1. Both must agree if both are given."""

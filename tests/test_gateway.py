@@ -26,6 +26,16 @@ from tests.faults import RedisServer, WorkerProcess, free_port
 from tests.helpers import make_tiny_llama_dir
 from tests.test_packaging import NO_TORCH
 from tokenq.producer import Client
+from tokenq.protocol import (
+    NO_TENANT,
+    ErrorEvent,
+    InvalidRequest,
+    Keys,
+    ProtocolError,
+    SamplingParams,
+    check_sizes,
+    pack,
+)
 
 MODEL = "tiny"
 GRACE = 0.5  # the main gateway's --cancel-grace
@@ -527,6 +537,74 @@ def test_text_no_encoding_holds_and_json_nested_past_the_parser_are_400s(
         error = answer.json()["error"]
         assert error["type"] == "invalid_request_error", error
     assert "not valid Unicode" in error["message"] or "nested" in error["message"]
+
+
+def add_raw_job(conn: redis.Redis, namespace: str, job_id: str, params: dict) -> None:
+    """A job XADDed as a producer that skips the client would (one transaction, as the
+    submit script is one)."""
+    keys = Keys(namespace)
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.zadd(keys.queues(MODEL), {f"0:{NO_TENANT}": 0})
+        data = pack({"messages": MESSAGES, "params": params})
+        pipe.xadd(keys.queue(MODEL, 0, NO_TENANT), {"v": "2", "id": job_id, "data": data})
+        pipe.execute()
+
+
+def test_a_bad_field_is_refused_with_one_message_whichever_way_it_comes_in(
+    gateway: GatewayProcess, client: Client, redis_conn: redis.Redis, namespace: str
+) -> None:
+    """The gateway's 400, the client's refusal and the worker's error event for one bad
+    field carry one message, the contract's (`SamplingParams`, `check_sizes`); the 400's
+    `param` is the field as the request named it."""
+    sdk = gateway.sdk(max_retries=0)
+
+    def gateway_error(extra: dict) -> dict:
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(model=MODEL, messages=MESSAGES, **extra)
+        assert info.value.status_code == 400
+        return info.value.body
+
+    def worker_error(job_id: str) -> ErrorEvent:
+        (event,) = client.job(job_id).stream(timeout=30)
+        assert isinstance(event, ErrorEvent) and event.code == "invalid_params"
+        return event
+
+    # Values: the client leaves them to the worker, which refuses with SamplingParams's text.
+    values = [
+        ({"temperature": -1}, {"temperature": -1}, "temperature"),
+        ({"max_completion_tokens": 0}, {"max_tokens": 0}, "max_completion_tokens"),
+        ({"logprobs": True, "top_logprobs": 21}, {"logprobs": 21}, "top_logprobs"),
+        ({"extra_body": {"logit_bias": {"7": 101}}}, {"logit_bias": {"7": 101}}, "logit_bias"),
+        ({"extra_body": {"top_k": -5}}, {"top_k": -5}, "top_k"),
+    ]
+    for extra, params, param in values:
+        with pytest.raises(InvalidRequest) as contract:
+            SamplingParams.from_dict(params)
+        message = contract.value.message
+        assert message.startswith(f"{next(iter(params))}: ")
+        body = gateway_error(extra)
+        assert (body["message"], body["param"], body["code"]) == (message, param, "invalid_params")
+        assert worker_error(client.submit(messages=MESSAGES, **params).id).message == message
+
+    # Sizes: the client refuses before Redis; a producer that skips it meets the worker.
+    sizes = [
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"stop": ["x" * 257]}, "stop"),
+        ({"extra_body": {"stop_token_ids": [1] * 1025}}, "stop_token_ids"),
+    ]
+    for extra, param in sizes:
+        params = extra.get("extra_body", extra)
+        with pytest.raises(InvalidRequest) as contract:
+            check_sizes(params)
+        message = contract.value.message
+        body = gateway_error(extra)
+        assert (body["message"], body["param"], body["code"]) == (message, param, "invalid_params")
+        with pytest.raises(ProtocolError) as refused:
+            client.submit(messages=MESSAGES, **params)
+        assert (refused.value.code, refused.value.message) == ("invalid_params", message)
+        job_id = f"raw-{uuid.uuid4().hex[:12]}"
+        add_raw_job(redis_conn, namespace, job_id, params)
+        assert worker_error(job_id).message == message
 
 
 def test_worker_refusal_is_a_400(gateway: GatewayProcess) -> None:

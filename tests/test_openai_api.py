@@ -12,9 +12,9 @@ import math
 import pytest
 
 from tokenq.producer.client import make_request
-from tokenq.protocol import DoneEvent, TokenEvent, Usage
+from tokenq.protocol import DoneEvent, ProtocolError, TokenEvent, Usage
 from tokenq.protocol.errors import InvalidRequest
-from tokenq.protocol.params import SamplingParams
+from tokenq.protocol.params import SamplingParams, check_sizes
 from tokenq.server.openai_api import (
     BadRequest,
     Logprobs,
@@ -233,6 +233,45 @@ def test_ranges_are_the_engines(name: str, values: list[float]) -> None:
         assert gateway == engine, (name, value)
         if gateway:
             SamplingParams.from_dict(params)
+
+
+@pytest.mark.parametrize(
+    ("fields", "params", "param"),
+    [
+        ({"temperature": "hot"}, {"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, {"top_p": 0}, "top_p"),
+        ({"n": 3}, {"n": 3}, "n"),
+        ({"seed": 2**63}, {"seed": 2**63}, "seed"),
+        ({"max_completion_tokens": -1}, {"max_tokens": -1}, "max_completion_tokens"),
+        ({"max_tokens": 2, "min_tokens": 3}, {"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+        ({"logprobs": True, "top_logprobs": -1}, {"logprobs": -1}, "top_logprobs"),
+        ({"logit_bias": {"3": "up"}}, {"logit_bias": {"3": "up"}}, "logit_bias"),
+        ({"stop": "x" * 300}, {"stop": "x" * 300}, "stop"),
+        ({"stop_token_ids": [2] * 2000}, {"stop_token_ids": [2] * 2000}, "stop_token_ids"),
+    ],
+)
+def test_a_refused_field_gets_the_contracts_message_and_the_requests_name(
+    fields: dict, params: dict, param: str
+) -> None:
+    """What the gateway answers is what the client (sizes) and the worker (sizes, then
+    values) say for the same job: one message per bad field."""
+    with pytest.raises(BadRequest) as gateway:
+        to_submit_kwargs("chat", chat(**fields))
+    with pytest.raises(InvalidRequest) as contract:
+        check_sizes(params)
+        SamplingParams.from_dict(params)
+    assert (gateway.value.message, gateway.value.param) == (contract.value.message, param)
+    assert gateway.value.body()["error"]["code"] == contract.value.code == "invalid_params"
+    job = make_request(messages=[{"role": "user", "content": "hi"}], **params)
+    if param in ("stop", "stop_token_ids"):  # a size: the client refuses it before Redis
+        with pytest.raises(ProtocolError) as client:
+            job.validate()
+        assert (client.value.code, client.value.message) == (
+            "invalid_params",
+            gateway.value.message,
+        )
+    else:  # a value: left to the worker, whose SamplingParams refuses it as above
+        job.validate()
 
 
 def test_priority_and_lane() -> None:

@@ -59,7 +59,7 @@ from tokenq.protocol.keys import (
     new_job_id,
 )
 from tokenq.protocol.limits import DEFAULT_LIMITS, MAX_PRIORITY, Limits
-from tokenq.protocol.params import SAMPLING_PARAMS, SamplingParams, are_token_ids
+from tokenq.protocol.params import SAMPLING_PARAMS, SamplingParams, are_token_ids, check_sizes
 
 __all__ = [
     "BATCH",
@@ -103,6 +103,7 @@ __all__ = [
     "TokenEvent",
     "Usage",
     "are_token_ids",
+    "check_sizes",
     "clip",
     "decode_event",
     "decode_job",

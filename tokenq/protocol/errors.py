@@ -33,20 +33,26 @@ def describe(exc: BaseException) -> str:
 
 
 class InvalidRequest(ValueError):
-    """A request refused before it runs; ``code`` is what clients match on."""
+    """A request refused before it runs; ``code`` is what clients match on, ``param`` the
+    parameter at fault where one is (the gateway answers with it as OpenAI's ``param``)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
 
 class ProtocolError(InvalidRequest):
     """A job that breaks the protocol; ``code`` is the error code sent to the client, with
     the job's id when it could be read."""
 
-    def __init__(self, code: str, message: str, job_id: str | None = None) -> None:
-        ValueError.__init__(self, f"{code}: {message}")
-        self.code = code
-        self.message = message
+    def __init__(
+        self, code: str, message: str, job_id: str | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(code, message, param)
+        self.args = (f"{code}: {message}",)  # str(): the code first, as the wire shows it
         self.job_id = job_id
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str | None, str | None]]:
+        return type(self), (self.code, self.message, self.job_id, self.param)

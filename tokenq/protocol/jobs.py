@@ -11,10 +11,10 @@ from typing import Any
 
 import msgpack
 
-from tokenq.protocol.errors import ProtocolError, quote
+from tokenq.protocol.errors import InvalidRequest, ProtocolError, quote
 from tokenq.protocol.keys import JOB_ID_RE, MODEL_RE, TENANT_RE, lane_of
 from tokenq.protocol.limits import DEFAULT_LIMITS, MAX_PRIORITY, Limits
-from tokenq.protocol.params import SAMPLING_PARAMS, are_token_ids
+from tokenq.protocol.params import are_token_ids, check_sizes
 
 PROTOCOL_VERSION = 2  # 2: queues per model, priority and tenant (1: one job stream)
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -171,31 +171,12 @@ class JobRequest:
             )
 
     def _validate_params(self, limits: Limits, bad: Any) -> None:
-        """Names and sizes only: value ranges need the model and are the engine's to check."""
-        params = self.params
-        if not isinstance(params, dict):
-            raise bad("params must be a map", "invalid_params")
-        if not SAMPLING_PARAMS.issuperset(params):
-            unknown = [k for k in params if k not in SAMPLING_PARAMS]
-            names = ", ".join(quote(str(k), 40) for k in unknown[:5])
-            raise bad(f"unknown parameter(s): {names}", "invalid_params")
-        stop = params.get("stop")
-        if isinstance(stop, list):
-            if len(stop) > limits.max_stop:
-                raise bad(f"stop: {len(stop)} strings (limit {limits.max_stop})", "invalid_params")
-        else:
-            stop = [stop]
-        if any(isinstance(s, str) and len(s) > limits.max_stop_chars for s in stop):
-            raise bad(
-                f"stop: a string longer than {limits.max_stop_chars} characters", "invalid_params"
-            )
-        for name, bound in (
-            ("stop_token_ids", limits.max_stop_token_ids),
-            ("logit_bias", limits.max_logit_bias),
-        ):
-            value = params.get(name)
-            if isinstance(value, list | dict) and len(value) > bound:
-                raise bad(f"{name}: {len(value)} entries (limit {bound})", "invalid_params")
+        """Names and sizes, by the gateway's and the worker's text (`check_sizes`). Values
+        are the worker's to check (it builds `SamplingParams`, with the same text)."""
+        try:
+            check_sizes(self.params, limits)
+        except InvalidRequest as exc:
+            raise bad(exc.message, exc.code) from None
 
     def payload(self) -> dict[str, Any]:
         """The msgpack map, without absent optional fields."""

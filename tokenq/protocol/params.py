@@ -1,5 +1,6 @@
-"""Sampling parameters, by vLLM's names, validated when built: the one set of bounds that
-the client, the gateway (which maps OpenAI's names onto these) and the engine share."""
+"""Sampling parameters, by vLLM's names, validated when built: the one set of bounds and
+messages that the gateway (which maps OpenAI's names onto these) and the worker share, and
+`check_sizes`, the names and sizes of a job's ``params``, which the client checks too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenq.protocol.errors import InvalidRequest, clip
+from tokenq.protocol.errors import InvalidRequest, clip, quote
+from tokenq.protocol.limits import DEFAULT_LIMITS, Limits
 
 # vLLM's _MAX_TEMP: a positive temperature below this is raised to it (as vLLM does), since
 # dividing logits by less only overflows them while sampling is already all but greedy.
@@ -16,6 +18,7 @@ MIN_TEMPERATURE = 1e-2
 # Below this a repetition penalty multiplies logits by more than 100: no sampling use, only
 # overflow.
 MIN_REPETITION_PENALTY = 1e-2
+MAX_LOGPROBS = 20  # top-n per generated token
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -32,7 +35,11 @@ def are_token_ids(ids: list[Any], vocab: int | None = None) -> bool:
 
 
 def _bad(name: str, why: str) -> InvalidRequest:
-    return InvalidRequest("invalid_params", f"{name}: {why}")
+    return InvalidRequest("invalid_params", f"{name}: {why}", name)
+
+
+def _got(value: Any) -> str:
+    return clip(repr(value))
 
 
 @dataclass
@@ -91,43 +98,46 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kinds):
                 what = "an integer" if kinds == (int,) else "a number"
-                raise _bad(name, f"must be {what}, got {clip(repr(value))}")
+                raise _bad(name, f"must be {what}, got {_got(value)}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise _bad(name, f"must be a finite number, got {value}")
             return value
 
-        if self.n != 1:
-            raise _bad("n", "only n=1 is supported; submit one job per sample")
+        def out_of(name: str, bounds: str) -> InvalidRequest:
+            return _bad(name, f"must be {bounds}, got {_got(getattr(self, name))}")
+
+        if number("n", (int,)) != 1:
+            raise _bad("n", f"only n=1 is supported (submit one job per sample), got {self.n}")
         if not 0.0 <= number("temperature") <= 100.0:
-            raise _bad("temperature", "must be in [0, 100]")
+            raise out_of("temperature", "in [0, 100]")
         if not 0.0 < number("top_p") <= 1.0:
-            raise _bad("top_p", "must be in (0, 1]")
+            raise out_of("top_p", "in (0, 1]")
         top_k = number("top_k", (int,))
         if top_k == 0 or top_k < -1:
-            raise _bad("top_k", "must be -1 (off) or at least 1")
+            raise out_of("top_k", "-1 (off) or at least 1")
         if not 0.0 <= number("min_p") <= 1.0:
-            raise _bad("min_p", "must be in [0, 1]")
+            raise out_of("min_p", "in [0, 1]")
         if self.seed is not None and not _INT64[0] <= number("seed", (int,)) <= _INT64[1]:
-            raise _bad("seed", "must be a signed 64-bit integer")
+            raise out_of("seed", "a signed 64-bit integer")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(name) <= 2.0:
-                raise _bad(name, "must be in [-2, 2]")
+                raise out_of(name, "in [-2, 2]")
         if not MIN_REPETITION_PENALTY <= number("repetition_penalty") <= 10.0:
-            raise _bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, 10]")
+            raise out_of("repetition_penalty", f"in [{MIN_REPETITION_PENALTY}, 10]")
         if self.max_tokens is not None and number("max_tokens", (int,)) < 1:
-            raise _bad("max_tokens", "must be at least 1")
+            raise out_of("max_tokens", "at least 1")
         if number("min_tokens", (int,)) < 0:
-            raise _bad("min_tokens", "must be >= 0")
+            raise out_of("min_tokens", ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise _bad("min_tokens", "must not exceed max_tokens")
-        if self.logprobs is not None and not 0 <= number("logprobs", (int,)) <= 20:
-            raise _bad("logprobs", "must be in [0, 20]")
+            raise _bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= number("logprobs", (int,)) <= MAX_LOGPROBS:
+            raise out_of("logprobs", f"in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.ignore_eos, bool):
-            raise _bad("ignore_eos", "must be a boolean")
+            raise out_of("ignore_eos", "a boolean")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise _bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.detokenize, bool):
-            raise _bad("detokenize", "must be a boolean")
+            raise out_of("detokenize", "a boolean")
         if self.stop and not self.detokenize:
             raise _bad("stop", "stop strings need detokenize=True (they are found in the text)")
         if not isinstance(self.stop_token_ids, list) or not are_token_ids(self.stop_token_ids):
@@ -145,12 +155,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         """Build from a wire dict, naming any unknown key instead of ignoring it."""
-        if not isinstance(data, dict):
-            raise InvalidRequest("invalid_params", "sampling parameters must be a mapping")
-        unknown = sorted(str(k) for k in data if k not in _FIELDS)
-        if unknown:
-            names = clip(", ".join(unknown))
-            raise InvalidRequest("invalid_params", f"unknown parameter(s): {names}")
+        _check_names(data)
         try:
             return cls(**data)
         except TypeError as exc:  # e.g. a list where a scalar belongs, caught in validation
@@ -162,6 +167,43 @@ class SamplingParams:
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 SAMPLING_PARAMS = _FIELDS  # the names a job's ``params`` may hold
+
+
+def _check_names(params: Any) -> None:
+    if not isinstance(params, dict):
+        raise InvalidRequest("invalid_params", "params must be a mapping")
+    if not _FIELDS.issuperset(params):
+        # The first few, as they came: a hostile map may hold 100,000s of keys.
+        unknown = [k for k in params if k not in _FIELDS]
+        names = ", ".join(quote(k, 40) for k in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        param = unknown[0] if isinstance(unknown[0], str) else None
+        raise InvalidRequest(
+            "invalid_params", f"unknown parameter(s): {names}{more}", param and clip(param, 40)
+        )
+
+
+def check_sizes(params: Any, limits: Limits = DEFAULT_LIMITS) -> None:
+    """A job's ``params`` before any value is read: a mapping of known names whose
+    ``stop``, ``stop_token_ids`` and ``logit_bias`` are within ``limits``, so that a
+    hostile entry costs a few length checks. The client, the gateway and the worker all
+    check this; values are `SamplingParams`'s to check."""
+    _check_names(params)
+    stop = params.get("stop")
+    if isinstance(stop, list):
+        if len(stop) > limits.max_stop:
+            raise _bad("stop", f"{len(stop)} strings (limit {limits.max_stop})")
+    else:
+        stop = [stop]
+    if any(isinstance(s, str) and len(s) > limits.max_stop_chars for s in stop):
+        raise _bad("stop", f"a string longer than {limits.max_stop_chars} characters")
+    for name, bound in (
+        ("stop_token_ids", limits.max_stop_token_ids),
+        ("logit_bias", limits.max_logit_bias),
+    ):
+        value = params.get(name)
+        if isinstance(value, list | dict) and len(value) > bound:
+            raise _bad(name, f"{len(value)} entries (limit {bound})")
 
 
 def _bias_token(key: Any) -> int:
@@ -183,5 +225,5 @@ def _bias_value(key: Any, value: Any) -> float:
     if isinstance(value, float) and not math.isfinite(value):
         raise _bad("logit_bias", f"{where} must be a finite number, got {value}")
     if not -100.0 <= value <= 100.0:
-        raise _bad("logit_bias", f"{where} must be in [-100, 100]")
+        raise _bad("logit_bias", f"{where} must be in [-100, 100], got {_got(value)}")
     return float(value)

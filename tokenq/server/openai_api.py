@@ -3,9 +3,10 @@
 Pure functions over plain dicts, no web framework: `tokenq serve` (tokenq/server/gateway.py)
 and `tokenq batch run` (OpenAI's batch files) share them, so a request means the same job
 whichever way it arrives. Validation happens here, before anything reaches Redis: a bad
-request is answered with a 400 naming its parameter and never becomes a job. The ranges
-are the engine's (tokenq/protocol/params.py), which the producer may not import (no torch
-on the client side); tests/test_openai_api.py checks the two agree.
+request is answered with a 400 naming its parameter and never becomes a job. Sampling
+parameters are OpenAI's names mapped onto the job's (vLLM's) and checked by the contract's
+`SamplingParams` and `check_sizes`, as the worker checks them: a bad value has one message
+whichever way it arrives, and the 400 names the field as the request named it.
 
 Logprobs: workers report, per generated token, the top-n token ids with their
 log-probabilities, the chosen token always included, but no token strings (the gateway
@@ -16,7 +17,6 @@ null.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,16 +27,18 @@ from tokenq.protocol import (
     MAX_PRIORITY,
     TENANT_RE,
     DoneEvent,
+    InvalidRequest,
     Limits,
+    SamplingParams,
     TokenEvent,
+    are_token_ids,
+    check_sizes,
     lane_of,
     quote,
 )
 
 COMPLETIONS, CHAT = "completions", "chat"
 KINDS = (COMPLETIONS, CHAT)
-MAX_LOGPROBS = 20  # the engine's bound (top-n per token)
-INT64 = (-(2**63), 2**63 - 1)
 
 # Fields read by both endpoints: OpenAI's, vLLM's sampling extras, and tokenq's own
 # (`priority` as in vLLM, `lane` as in Client.submit).
@@ -128,129 +130,77 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadRequest(f"{name} must be a number, got {quote(value)}", name)
-    if not math.isfinite(value) or not low <= value <= high:
-        raise BadRequest(f"{name} must be in [{low:g}, {high:g}], got {quote(value)}", name)
-    return value
-
-
-def _integer(body: dict[str, Any], name: str, low: int, high: int = INT64[1]) -> int | None:
+def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if not _is_int(value):
         raise BadRequest(f"{name} must be an integer, got {quote(value)}", name)
     if not low <= value <= high:
-        bound = f"at least {low}" if high == INT64[1] else f"in [{low}, {high}]"
-        raise BadRequest(f"{name} must be {bound}, got {quote(value)}", name)
+        raise BadRequest(f"{name} must be in [{low}, {high}], got {quote(value)}", name)
     return value
 
 
 def _only(body: dict[str, Any], name: str, allowed: tuple[Any, ...], why: str) -> None:
-    """Fields tokenq takes only at their neutral value (n=1, echo=false, ...)."""
+    """Fields tokenq takes only at their neutral value (echo=false, ...)."""
     value = body.get(name)
     if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
         raise BadRequest(f"{name}={quote(value)} is not supported: {why}", name)
 
 
-def _stop(body: dict[str, Any], limits: Limits) -> list[str] | None:
-    stop = body.get("stop")
-    if stop is None:
-        return None
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise BadRequest("stop must be a non-empty string or a list of them", "stop")
-    if len(stops) > limits.max_stop:
-        raise BadRequest(f"stop: {len(stops)} strings (limit {limits.max_stop})", "stop")
-    if any(len(s) > limits.max_stop_chars for s in stops):
-        raise BadRequest(f"stop: a string over {limits.max_stop_chars} characters", "stop")
-    return stops
-
-
-def _token_ids(value: Any, name: str, bound: int) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
-        raise BadRequest(f"{name} must be a list of non-negative token ids", name)
-    if len(value) > bound:
-        raise BadRequest(f"{name}: {len(value)} ids (limit {bound})", name)
-    return value
-
-
-def _logit_bias(value: Any, limits: Limits) -> dict[str, float]:
-    if not isinstance(value, dict):
-        raise BadRequest("logit_bias must map token ids to biases", "logit_bias")
-    if len(value) > limits.max_logit_bias:
-        bound = limits.max_logit_bias
-        raise BadRequest(f"logit_bias: {len(value)} entries (limit {bound})", "logit_bias")
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19):
-            raise BadRequest(f"logit_bias key {quote(key)} is not a token id", "logit_bias")
-        number = isinstance(bias, int | float) and not isinstance(bias, bool)
-        if not (number and math.isfinite(bias) and -100 <= bias <= 100):
-            raise BadRequest(f"logit_bias[{key}] must be in [-100, 100]", "logit_bias")
-    return value
+# Parameters OpenAI (or vLLM's extensions to its API) names as the job does.
+_SAME_NAMES = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "logit_bias",
+)
+# Left out of the job at their neutral value, as a request that does not name them.
+_NEUTRAL_OMITTED = frozenset({"min_tokens", "ignore_eos", "stop", "stop_token_ids", "logit_bias"})
 
 
 def _sampling(kind: str, body: dict[str, Any], limits: Limits) -> dict[str, Any]:
-    """Sampling parameters by vLLM's names (the job's `params`), values checked."""
-    params: dict[str, Any] = {}
-    for name, low, high in (
-        ("temperature", 0.0, 100.0),
-        ("top_p", 0.0, 1.0),
-        ("min_p", 0.0, 1.0),
-        ("presence_penalty", -2.0, 2.0),
-        ("frequency_penalty", -2.0, 2.0),
-        ("repetition_penalty", 0.01, 10.0),
-    ):
-        value = _number(body, name, low, high)
-        if value is not None:
-            params[name] = value
-    if params.get("top_p") == 0:
-        raise BadRequest("top_p must be in (0, 1], got 0", "top_p")
-    top_k = _integer(body, "top_k", -1)
-    if top_k is not None and top_k not in (0, -1):  # 0 and -1 both mean off, as in vLLM
+    """Sampling parameters by vLLM's names (the job's `params`), checked as the worker
+    checks them (`check_sizes`, `SamplingParams`); a refusal's `param` is the request's
+    own name for the field."""
+    params = {name: body[name] for name in _SAME_NAMES if body.get(name) is not None}
+    stop = body.get("stop")
+    if stop is not None:
+        params["stop"] = [stop] if isinstance(stop, str) else stop
+    top_k = body.get("top_k")
+    if top_k is not None and not (_is_int(top_k) and top_k in (0, -1)):  # both off, as in vLLM
         params["top_k"] = top_k
-    seed = _integer(body, "seed", INT64[0])
-    if seed is not None:
-        params["seed"] = seed
     names = ["max_tokens"] + (["max_completion_tokens"] if kind == CHAT else [])
-    given = {n: _integer(body, n, 1) for n in names if body.get(n) is not None}
-    if len(given) > 1 and len(set(given.values())) > 1:
+    given = {n: body[n] for n in names if body.get(n) is not None}
+    values = list(given.values())
+    if any(v != values[0] or type(v) is not type(values[0]) for v in values):
         raise BadRequest("max_tokens and max_completion_tokens disagree", "max_tokens")
     if given:
-        params["max_tokens"] = next(iter(given.values()))
+        params["max_tokens"] = values[0]
     elif kind == CHAT:
         params["max_tokens"] = None  # as OpenAI and vLLM: up to the model's context
-    min_tokens = _integer(body, "min_tokens", 0)
-    if min_tokens:
-        if params.get("max_tokens") is not None and min_tokens > params["max_tokens"]:
-            raise BadRequest("min_tokens must not exceed max_tokens", "min_tokens")
-        params["min_tokens"] = min_tokens
-    stop = _stop(body, limits)
-    if stop:
-        params["stop"] = stop
-    if body.get("stop_token_ids") is not None:
-        ids = _token_ids(body["stop_token_ids"], "stop_token_ids", limits.max_stop_token_ids)
-        if ids:
-            params["stop_token_ids"] = ids
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is not None:
-        if not isinstance(ignore_eos, bool):
-            raise BadRequest("ignore_eos must be a boolean", "ignore_eos")
-        if ignore_eos:
-            params["ignore_eos"] = True
-    if body.get("logit_bias") is not None:
-        bias = _logit_bias(body["logit_bias"], limits)
-        if bias:
-            params["logit_bias"] = bias
     logprobs = rendering(kind, body).logprobs
     if logprobs is not None:
         params["logprobs"] = logprobs
-    return params
+    n = {} if body.get("n") is None else {"n": body["n"]}  # checked, never sent: 1 only
+    try:
+        check_sizes(params, limits)
+        SamplingParams.from_dict({**params, **n})
+    except InvalidRequest as exc:
+        asked = {
+            "max_tokens": next(iter(given), "max_tokens"),
+            "logprobs": "top_logprobs" if kind == CHAT else "logprobs",
+        }
+        param = asked.get(exc.param or "", exc.param)
+        raise BadRequest(exc.message, param, code=exc.code) from None
+    return {k: v for k, v in params.items() if v or k not in _NEUTRAL_OMITTED}
 
 
 def _lane(body: dict[str, Any]) -> dict[str, Any]:
@@ -265,7 +215,7 @@ def _lane(body: dict[str, Any]) -> dict[str, Any]:
     return {"priority": priority} if priority else {}
 
 
-def _prompt(body: dict[str, Any]) -> dict[str, Any]:
+def _prompt(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     """A completion's prompt: a string or token ids, alone or as a batch of one."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -274,10 +224,13 @@ def _prompt(body: dict[str, Any]) -> dict[str, Any]:
         if not prompt:
             raise BadRequest("prompt must not be empty", "prompt")
         return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return {
-            "prompt_token_ids": _token_ids(prompt, "prompt", DEFAULT_LIMITS.max_prompt_token_ids)
-        }
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list):
+        bound = limits.max_prompt_token_ids
+        if len(prompt) > bound:
+            raise BadRequest(f"prompt: {len(prompt)} token ids (limit {bound})", "prompt")
+        if not are_token_ids(prompt):
+            raise BadRequest("prompt must be a list of non-negative token ids", "prompt")
+        return {"prompt_token_ids": prompt}
     if isinstance(prompt, list) and len(prompt) > 1:
         raise BadRequest(
             f"one prompt per request ({len(prompt)} given): send one request each", "prompt"
@@ -342,7 +295,8 @@ def _chat_only(body: dict[str, Any]) -> None:
 
 
 def rendering(kind: str, body: dict[str, Any]) -> Rendering:
-    """The answer's form: streamed or not, usage chunk, logprobs per token."""
+    """The answer's form: streamed or not, usage chunk, logprobs per token. The top-n's
+    value is the job's `logprobs`, checked by `to_submit_kwargs`, which callers call first."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean", "stream")
@@ -357,17 +311,16 @@ def rendering(kind: str, body: dict[str, Any]) -> Rendering:
         }:
             raise BadRequest("stream_options must be {include_usage: bool}", "stream_options")
         include_usage = bool(options.get("include_usage"))
-    logprobs: int | None
     if kind == CHAT:
         wanted = body.get("logprobs")
         if wanted is not None and not isinstance(wanted, bool):
             raise BadRequest("logprobs must be a boolean", "logprobs")
-        top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+        top = body.get("top_logprobs")
         if top is not None and not wanted:
             raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
-        logprobs = (top or 0) if wanted else None
+        logprobs = (0 if top is None else top) if wanted else None
     else:
-        logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS)
+        logprobs = body.get("logprobs")
     return Rendering(bool(stream), include_usage, logprobs)
 
 
@@ -388,12 +341,11 @@ def to_submit_kwargs(kind: str, body: Any, limits: Limits = DEFAULT_LIMITS) -> d
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model must be a string", "model")
-    _only(body, "n", (1,), "one completion per request")
     if kind == COMPLETIONS:
         _only(body, "best_of", (1,), "one completion per request")
         _only(body, "echo", (False,), "the prompt is not echoed")
         _only(body, "suffix", ("",), "no insertion")
-        kwargs: dict[str, Any] = _prompt(body)
+        kwargs: dict[str, Any] = _prompt(body, limits)
     else:
         _chat_only(body)
         kwargs = {"messages": _messages(body)}
