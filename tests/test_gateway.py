@@ -620,6 +620,18 @@ def test_worker_refusal_is_a_400(gateway: GatewayProcess) -> None:
         assert info.value.body["code"] == "prompt_too_long"
 
 
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_its_field(
+    gateway: GatewayProcess,
+) -> None:
+    """Only the worker knows the vocabulary: its refusal still names the field."""
+    sdk = gateway.sdk(max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"999999": 5})
+    error = info.value.body
+    assert (error["code"], error["param"]) == ("invalid_params", "logit_bias"), error
+    assert "outside the vocabulary" in error["message"]
+
+
 def test_unknown_model_404(gateway: GatewayProcess) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         gateway.sdk(max_retries=0).chat.completions.create(model="nope", messages=MESSAGES)

@@ -25,6 +25,7 @@ from tokenq.protocol import (
     LANE_PRIORITY,
     LANES,
     MAX_PRIORITY,
+    SAMPLING_PARAMS,
     TENANT_RE,
     DoneEvent,
     InvalidRequest,
@@ -537,6 +538,10 @@ _JOB_ERRORS = {
 
 def job_error(code: str, message: str) -> BadRequest:
     """A job's `error` event (or a ProtocolError's code) as the HTTP error to answer with:
-    the client's fault 4xx, a deadline 504, anything else the server's (500)."""
+    the client's fault 4xx, a deadline 504, anything else the server's (500). A parameter
+    the worker refused is named in `param`: its message starts with the field's name, as
+    every `SamplingParams` message does."""
     status, kind = _JOB_ERRORS.get(code, (500, "server_error"))
-    return BadRequest(message, None, status, kind, code)
+    field = message.partition(":")[0]
+    param = field if code == "invalid_params" and field in SAMPLING_PARAMS else None
+    return BadRequest(message, param, status, kind, code)
