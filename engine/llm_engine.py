@@ -116,6 +116,14 @@ class LLMEngine:
             raise InvalidRequest("invalid_priority", "priority must be an integer")
         self._check_vocabulary(params)
         token_ids = self.encode_prompt(prompt, prompt_token_ids, messages)
+        room = self.max_model_len - len(token_ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequest(
+                "invalid_params",
+                f"max_tokens: {params.max_tokens} tokens after a prompt of {len(token_ids)} "
+                f"pass the context of {self.max_model_len} tokens (at most {room} fit)",
+                "max_tokens",
+            )
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,

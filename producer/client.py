@@ -310,6 +310,7 @@ class _Routing:
                 model = self.models[0].id
             if model not in served and not queue_anyway:
                 raise UnknownModel(model, sorted(served))
+            _check_room(req, model, self.models)
             out.append(model)
         return out
 
@@ -326,6 +327,21 @@ class _Routing:
         except UnknownModel:
             return True
         return False
+
+
+def _check_room(req: JobRequest, model: str, models: list[ModelInfo]) -> None:
+    """Refuse a `max_tokens` that the model's context could not hold after even a one-token
+    prompt, as vLLM does (the worker, which counts the prompt, checks exactly)."""
+    asked = req.params.get("max_tokens")
+    context = next((m.max_model_len for m in models if model in (m.id, *m.aliases)), None)
+    if isinstance(asked, int) and context is not None and asked > context - 1:
+        raise ProtocolError(
+            "invalid_params",
+            f"max_tokens: {asked} tokens pass model {model}'s context of {context} tokens "
+            f"(at most {context - 1} fit after a prompt)",
+            req.job_id,
+            "max_tokens",
+        )
 
 
 def _submit_args(config: ClientConfig, reqs: list[JobRequest], models: list[str]) -> list[Any]:

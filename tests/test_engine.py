@@ -222,6 +222,19 @@ def test_bad_requests_are_refused_with_a_code(tiny_dir: Path):
     assert not engine.has_unfinished()
 
 
+def test_max_tokens_past_the_context_left_after_the_prompt_is_refused(tiny_dir: Path):
+    """As vLLM answers 400: a job is never accepted to run until its deadline."""
+    engine = make_engine(tiny_dir, max_model_len=64)
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request("big", prompt_token_ids=[1] * 10, params={"max_tokens": 55})
+    assert (err.value.code, err.value.param) == ("invalid_params", "max_tokens")
+    assert err.value.message.startswith("max_tokens: 55 tokens after a prompt of 10 ")
+    assert "(at most 54 fit)" in err.value.message
+    engine.add_request("fits", prompt_token_ids=[1] * 10, params={"max_tokens": 54})
+    engine.add_request("open", prompt_token_ids=[1] * 10, params={"max_tokens": None})
+    assert engine.has_unfinished()
+
+
 def test_deadline_ends_a_request_with_reason_deadline(tiny_dir: Path):
     import time
 

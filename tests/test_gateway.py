@@ -25,7 +25,7 @@ import redis
 from tests.faults import RedisServer, WorkerProcess, free_port
 from tests.helpers import make_tiny_llama_dir
 from tests.test_packaging import NO_TORCH
-from tokenq.producer import Client
+from tokenq.producer import Client, JobFailed
 from tokenq.protocol import (
     NO_TENANT,
     ErrorEvent,
@@ -630,6 +630,24 @@ def test_a_token_id_outside_the_vocabulary_is_a_400_naming_its_field(
     error = info.value.body
     assert (error["code"], error["param"]) == ("invalid_params", "logit_bias"), error
     assert "outside the vocabulary" in error["message"]
+
+
+def test_max_tokens_past_the_models_context_is_a_400_at_the_door_and_in_the_worker(
+    gateway: GatewayProcess, redis_url: str, namespace: str
+) -> None:
+    sdk = gateway.sdk(max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=MODEL, prompt="x", max_tokens=1_000_000_000)
+    error = info.value.body
+    assert (error["code"], error["param"]) == ("invalid_params", "max_tokens"), error
+    assert "context of 2048 tokens" in error["message"]
+    # A producer that skips the registry: the worker counts the prompt and refuses.
+    with Client(redis_url, namespace=namespace, model=MODEL, require_worker=False) as client:
+        job = client.submit(prompt="a few words of prompt", max_tokens=2047, queue_anyway=True)
+        with pytest.raises(JobFailed) as failed:
+            job.result(timeout=60)
+    assert failed.value.code == "invalid_params"
+    assert failed.value.message.startswith("max_tokens: 2047 tokens after a prompt of ")
 
 
 def test_unknown_model_404(gateway: GatewayProcess) -> None:
