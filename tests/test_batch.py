@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from tests.faults import WorkerProcess
-from tests.test_worker_support import tiny_model, wait_for  # noqa: F401
+from tests.worker_support import tiny_model, wait_for  # noqa: F401
 from tokenq.batch import runner as batch
 from tokenq.batch.runner import DoneSet, job_id_for, load_done, repair, scan_input
 from tokenq.producer.client import Client

@@ -20,7 +20,7 @@ import redis
 
 from tests.faults import RedisServer, TcpProxy, WorkerProcess
 from tests.redis_fixtures import CLIENT
-from tests.test_worker_support import (
+from tests.worker_support import (
     TEST_MODEL,
     WorkerThread,
     add_raw,

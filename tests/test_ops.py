@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.faults import WorkerProcess, free_port
 from tests.redis_fixtures import CLIENT
-from tests.test_worker_support import (
+from tests.worker_support import (
     WorkerThread,
     check_reply,
     default_queue,

@@ -18,7 +18,7 @@ import structlog
 
 from tests.helpers import default_tokenizer, make_tiny_llama_dir
 from tests.redis_fixtures import CLIENT, TEST_MODEL
-from tests.test_worker_support import (
+from tests.worker_support import (
     WorkerThread,
     add_raw,
     check_reply,
