@@ -202,6 +202,7 @@ def test_inspect_shows_finished_pending_and_dead_jobs(
         load = client.keys.metrics("w1")
         success = 'request_success_total{finished_reason="length"}'
         wait_for(lambda: conn.hget(load, success) == b"3")
+        # Past --stale-after 3 since the kill (its last heartbeat and KEEP came before it).
         time.sleep(max(0.0, 3.5 - (time.monotonic() - killed_at)))
         where = ["--redis-url", redis_url, "--namespace", redis_namespace, "--stale-after", "3"]
         status, out, _ = tokenq(capsys, "inspect", "--json", *where)
