@@ -140,6 +140,19 @@ def _resp_command(name: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(name), name)
 
 
+def _ping_through(upstream: socket.socket) -> None:
+    """PING, then read up to its answer: Redis answers in order, so it has run all that
+    came before it on this connection."""
+    upstream.sendall(b"*1\r\n" + _resp_command(b"PING"))
+    upstream.settimeout(10)
+    tail = b""
+    while not tail.endswith(b"+PONG\r\n"):
+        chunk = upstream.recv(1 << 16)
+        if not chunk:
+            return
+        tail = (tail + chunk)[-16:]
+
+
 class TcpProxy:
     """A TCP proxy in front of a Redis server, with two faults to inject:
 
@@ -234,10 +247,10 @@ class TcpProxy:
                         upstream.sendall(data)
                         continue
                     if armed:
-                        # Redis has answered, so it ran the request (it reads a pipelined
-                        # request whole before answering any of it); give it a moment to
-                        # finish the rest of that read, then vanish.
-                        time.sleep(0.05)
+                        # Redis has answered, so it ran the request; it has run the rest
+                        # of a pipeline longer than one of its reads once it answers a
+                        # PING sent after it. Then vanish.
+                        _ping_through(upstream)
                         with self._lock:
                             self.cuts_done += 1
                         return

@@ -19,7 +19,12 @@ import pytest
 import redis
 
 from tests.faults import WorkerProcess
-from tests.test_worker_support import tiny_model, wait_for  # noqa: F401
+from tests.worker_support import (
+    tiny_model,  # noqa: F401
+    wait_for,
+    wait_for_summaries,
+    worker_successes,
+)
 from tokenq.batch import runner as batch
 from tokenq.batch.runner import (
     DoneSet,
@@ -96,16 +101,6 @@ def done_events(conn: redis.Redis, ns: str, job_id: str) -> int:
     return sum(1 for _, fields in entries if fields[b"type"] == b"done")
 
 
-def worker_successes(conn: redis.Redis, ns: str) -> int:
-    """Jobs the worker finished, from its metrics summary (it is rewritten every 0.5 s)."""
-    total = 0
-    for key in conn.scan_iter(match=f"{ns}:metrics:*"):
-        for name, value in conn.hgetall(key).items():
-            if name.startswith(b"request_success_total"):
-                total += int(float(value))
-    return total
-
-
 def test_a_500_line_batch_answers_every_custom_id_once(
     worker: WorkerProcess, redis_url: str, redis_namespace: str, tmp_path: Path
 ) -> None:
@@ -173,7 +168,8 @@ def test_a_batch_killed_halfway_resumes_without_generating_anything_twice(
         assert [done_events(conn, redis_namespace, j) for j in ids] == [1] * 500
         # The worker ran 500 jobs in all: none was generated again for the second run.
         wait_for(lambda: worker_successes(conn, redis_namespace) >= 500, timeout=10)
-        time.sleep(1.2)  # two more metric summaries: a late 501st would show
+        # A late 501st would show in a summary written a second later.
+        wait_for_summaries(conn, redis_namespace, after=time.time() + 1.0)
         assert worker_successes(conn, redis_namespace) == 500
     finally:
         conn.close()
@@ -334,7 +330,8 @@ def test_a_rerun_after_the_replies_expired_reports_those_lines_and_runs_nothing_
             assert "--batch-id" in response["body"]["error"]["message"]
         # Not generated again: the worker ran the ten jobs of the first run only.
         wait_for(lambda: worker_successes(conn, redis_namespace) >= 10, timeout=10)
-        time.sleep(1.2)  # two more metric summaries: a late 11th would show
+        # A late 11th would show in a summary written a second later.
+        wait_for_summaries(conn, redis_namespace, after=time.time() + 1.0)
         assert worker_successes(conn, redis_namespace) == 10
     finally:
         conn.close()

@@ -18,6 +18,7 @@ import redis
 from tests.faults import WorkerProcess
 from tests.helpers import make_tiny_llama_dir
 from tests.test_gateway import GatewayProcess
+from tests.worker_support import wait_for, wait_for_summaries, worker_successes
 from tokenq.batch.runner import job_id_for
 
 POLL = "0.2"  # the gateways' --batch-poll
@@ -87,15 +88,6 @@ def lines_of(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     return [json.loads(x) for x in sdk.files.content(file_id).text.splitlines()]
 
 
-def worker_successes(conn: redis.Redis, ns: str) -> int:
-    total = 0
-    for key in conn.scan_iter(match=f"{ns}:metrics:*"):
-        for name, value in conn.hgetall(key).items():
-            if name.startswith(b"request_success_total"):
-                total += int(float(value))
-    return total
-
-
 def test_a_gateway_killed_mid_batch_is_taken_over_by_one_and_nothing_runs_twice(
     worker: WorkerProcess, redis_url: str, namespace: str, tmp_path: Path
 ) -> None:
@@ -114,10 +106,7 @@ def test_a_gateway_killed_mid_batch_is_taken_over_by_one_and_nothing_runs_twice(
             endpoint="/v1/chat/completions",
             completion_window="24h",
         )
-        deadline = time.monotonic() + 60
-        while sdk.batches.retrieve(batch.id).request_counts.completed < 60:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 60, 60)
     finally:
         first.proc.kill()
         first.proc.wait(timeout=10)
@@ -137,7 +126,8 @@ def test_a_gateway_killed_mid_batch_is_taken_over_by_one_and_nothing_runs_twice(
     assert (done.request_counts.completed, done.request_counts.failed) == (300, 0)
     assert Counter(a["custom_id"] for a in answers) == Counter(f"c{i}" for i in range(300))
     try:
-        time.sleep(1.5)  # the worker's metrics summary is rewritten every 0.5 s
+        # Every answer counted, and a late 301st would show: a summary a second later.
+        wait_for_summaries(conn, namespace, after=time.time() + 1.0)
         assert worker_successes(conn, namespace) - before == 300
     finally:
         conn.close()
@@ -219,10 +209,7 @@ def test_cancel_stops_a_running_batch_and_keeps_what_was_answered(
     batch = sdk.batches.create(
         input_file_id=upload(sdk, content), endpoint="/v1/chat/completions", completion_window="24h"
     )
-    deadline = time.monotonic() + 60
-    while sdk.batches.retrieve(batch.id).request_counts.completed < 4:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 4, 60, 0.1)
     cancelling = sdk.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
     cancelled = wait_status(sdk, batch.id, "cancelled", timeout=30)
@@ -264,10 +251,7 @@ def test_a_batch_past_its_window_expires_and_keeps_what_was_answered(
         input_file_id=upload(sdk, content), endpoint="/v1/chat/completions", completion_window="24h"
     )
     assert batch.expires_at == batch.created_at + 24 * 3600
-    deadline = time.monotonic() + 60
-    while sdk.batches.retrieve(batch.id).request_counts.completed < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 2, 60, 0.1)
     conn = redis.Redis.from_url(redis_url)
     try:  # 24 hours pass
         conn.hset(f"{namespace}:batch:{batch.id}", "expires_at", int(time.time()) - 1)

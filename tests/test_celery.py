@@ -24,7 +24,7 @@ from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
 from tests.redis_fixtures import CLIENT, TEST_MODEL
-from tests.test_worker_support import (
+from tests.worker_support import (
     WorkerThread,
     check_reply,
     fast_config,

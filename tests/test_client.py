@@ -23,6 +23,7 @@ import redis.asyncio
 
 import tokenq.producer.client as client_module
 from tests.redis_fixtures import CLIENT, queue_of
+from tests.waits import blocked_in_xread, named, wait_for
 from tokenq.producer.client import AsyncClient, Client, make_request
 from tokenq.producer.errors import ClientClosed, JobFailed, QueueFull
 from tokenq.protocol import DoneEvent, ErrorEvent, Keys, TokenEvent, Usage, decode_job, encode_event
@@ -324,20 +325,17 @@ def test_a_burst_of_events_on_many_followed_streams_reaches_the_caller_in_one_ha
     def burst_once_blocked(reader: str, jobs: list[str]) -> None:
         """Once the named reader waits in its blocked read: one event per job, written
         in one transaction, as one PUBLISH call writes a step's first tokens."""
-        while not any(
-            c["name"] == reader and c["cmd"] == "xread" and "b" in c["flags"]
-            for c in writer.client_list()
-        ):
-            time.sleep(0.005)
+        wait_for(lambda: blocked_in_xread(writer, reader), timeout=10, interval=0.005)
         with writer.pipeline(transaction=True) as p:
             for job in jobs:
                 p.xadd(keys.reply(job), encode_event(TokenEvent(0, [7], "x")))
             p.execute()
 
     jobs = [f"sync-{i}" for i in range(5)]
-    conn = redis.Redis.from_url(redis_url, client_name="burst-sync")
+    reader = f"{redis_namespace}-sync"  # the server may serve other runs' tests too
+    conn = redis.Redis.from_url(redis_url, client_name=reader)
     client = Client(conn, namespace=redis_namespace, **CLIENT)
-    threading.Thread(target=burst_once_blocked, args=("burst-sync", jobs)).start()
+    threading.Thread(target=burst_once_blocked, args=(reader, jobs)).start()
     events = client.stream_many([client.job(j) for j in jobs], timeout=10)
     assert sorted(job.id for job, _ in itertools.islice(events, len(jobs))) == jobs
     events.close()
@@ -345,7 +343,7 @@ def test_a_burst_of_events_on_many_followed_streams_reaches_the_caller_in_one_ha
     assert [n for n in handed if n] == [len(jobs)]
 
     async def follow_async(jobs: list[str]) -> list[str]:
-        aconn = redis.asyncio.Redis.from_url(redis_url, client_name="burst-async")
+        aconn = redis.asyncio.Redis.from_url(redis_url, client_name=f"{redis_namespace}-async")
         async with AsyncClient(aconn, namespace=redis_namespace, **CLIENT) as aclient:
             seen = []
             async for job, _ in aclient.stream_many([aclient.job(j) for j in jobs], timeout=10):
@@ -356,7 +354,7 @@ def test_a_burst_of_events_on_many_followed_streams_reaches_the_caller_in_one_ha
 
     handed.clear()
     jobs = [f"async-{i}" for i in range(5)]
-    threading.Thread(target=burst_once_blocked, args=("burst-async", jobs)).start()
+    threading.Thread(target=burst_once_blocked, args=(f"{redis_namespace}-async", jobs)).start()
     assert asyncio.run(follow_async(jobs)) == jobs
     assert [n for n in handed if n] == [len(jobs)]
 
@@ -367,7 +365,8 @@ def test_a_lone_caller_reads_its_streams_on_its_own_thread(
     """Its events reach it with no hand-off from another thread (which a host whose cores
     a worker keeps busy may wake milliseconds late); once a second caller follows too, the
     reader's thread reads for both, since either may be busy with its events for long."""
-    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    name = f"{redis_namespace}-lone"
+    client = Client(named(redis_url, name), namespace=redis_namespace, **CLIENT)
     writer = redis.Redis.from_url(redis_url)
 
     def reader_threads() -> int:  # this client's (those of the tests before may linger)
@@ -375,7 +374,7 @@ def test_a_lone_caller_reads_its_streams_on_its_own_thread(
 
     def write_slowly(job_id: str) -> None:
         for event in REPLY:
-            time.sleep(0.02)
+            time.sleep(0.02)  # a reply written as a worker does: over a while
             write_reply(writer, client.keys, job_id, [event])
 
     def follow(job_id: str, seen: list[int]) -> list[str]:
@@ -399,7 +398,7 @@ def test_a_lone_caller_reads_its_streams_on_its_own_thread(
     seen_first: list[int] = []
     first = threading.Thread(target=follow, args=("first", seen_first))
     first.start()
-    time.sleep(0.05)  # it reads now, blocked on its stream
+    wait_for(lambda: blocked_in_xread(writer, name), timeout=10)  # it reads, on its thread
     for job_id in ("first", "second"):
         write(job_id)
     seen_second: list[int] = []
@@ -419,7 +418,9 @@ def test_closing_the_client_ends_a_waiting_stream_at_once(
 ) -> None:
     """Whether the caller reads (no timeout) or waits for the reader's thread (a timeout
     shorter than its socket calls could block), close() ends its stream with ClientClosed."""
-    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    name = f"{redis_namespace}-closing"
+    client = Client(named(redis_url, name), namespace=redis_namespace, **CLIENT)
+    observer = redis.Redis.from_url(redis_url)
     ended: list[tuple[type, float]] = []
 
     def follow() -> None:
@@ -430,9 +431,10 @@ def test_closing_the_client_ends_a_waiting_stream_at_once(
 
     follower = threading.Thread(target=follow)
     follower.start()
-    time.sleep(0.3)  # it waits in its read now
+    wait_for(lambda: blocked_in_xread(observer, name), timeout=10)  # it waits in its read
     closed_at = time.monotonic()
     client.close()
     follower.join(3)
+    observer.close()
     assert [kind for kind, _ in ended] == [ClientClosed]
     assert ended[0][1] - closed_at < 0.5

@@ -21,6 +21,7 @@ from redis.retry import Retry
 
 from tests.faults import RedisServer, TcpProxy
 from tests.redis_fixtures import CLIENT, queue_of
+from tests.waits import blocked_in_xread, named, wait_for
 from tokenq.producer.client import AsyncClient, Client, ClientConfig
 from tokenq.producer.errors import RedisUnavailable
 from tokenq.protocol import DoneEvent, Event, Keys, TokenEvent, encode_event
@@ -74,7 +75,7 @@ class Writer(threading.Thread):
                 self._append(self.keys.reply(job_id), fields, entry_id(n))
             clients = self._retry(lambda: self.conn.info("clients")["connected_clients"])
             self.max_clients = max(self.max_clients, clients)
-            time.sleep(self.pause)
+            time.sleep(self.pause)  # a worker's pace between steps
 
     def _append(self, key: str, fields: dict, eid: str) -> None:
         try:
@@ -88,7 +89,7 @@ class Writer(threading.Thread):
                 return call()
             except (redis.ConnectionError, redis.TimeoutError):
                 self.outage_hits += 1
-                time.sleep(0.02)
+                time.sleep(0.02)  # a retry's pause while Redis is away
 
 
 def assert_whole_reply(events: list[Event], n_tokens: int) -> None:
@@ -318,7 +319,7 @@ def test_200_async_readers_share_one_connection(tmp_path: Path) -> None:
                     return [e async for e in client.job(job_id).stream(timeout=20)]
 
                 tasks = [asyncio.create_task(read(j)) for j in job_ids]
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # a turn of the loop: each task starts its stream
                 writer.start()
                 return await asyncio.gather(*tasks)
 
@@ -331,13 +332,14 @@ def test_200_async_readers_share_one_connection(tmp_path: Path) -> None:
 def test_a_new_follower_does_not_wait_for_the_others(redis_url: str, redis_namespace: str) -> None:
     """One XREAD serves every follower; one joining while it blocks is read within about
     block_ms, not after the others' events or a long BLOCK."""
-    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    name = f"{redis_namespace}-idle"
+    client = Client(named(redis_url, name), namespace=redis_namespace, **CLIENT)
+    conn = redis.Redis.from_url(redis_url)
     idle = client.job("idle").stream(timeout=10)
     blocked = threading.Thread(target=lambda: next(idle, None), daemon=True)
     blocked.start()
-    time.sleep(0.3)  # the reader now blocks on the idle stream
+    wait_for(lambda: blocked_in_xread(conn, name), timeout=10)  # on the idle stream
     late = client.submit("x")
-    conn = redis.Redis.from_url(redis_url)
     conn.xadd(client.keys.reply(late.id), encode_event(reply(0)[0]))
     start = time.monotonic()
     assert late.result(timeout=5).finish_reason == "length"
@@ -368,7 +370,7 @@ def test_followers_of_one_stream_each_get_their_own_part(
     for thread in threads:
         thread.start()
     for event in events[1:]:
-        time.sleep(0.05)
+        time.sleep(0.05)  # events come while both follow, as a worker writes them
         ids.append(conn.xadd(key, encode_event(event)).decode())
     for thread in threads:
         thread.join(10)

@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from tests.faults import WorkerProcess, free_port
 from tests.redis_fixtures import CLIENT
 from tests.test_ops import dead_letter, parse, total
-from tests.test_worker_support import tiny_model, wait_for  # noqa: F401
+from tests.worker_support import tiny_model, wait_for  # noqa: F401
 from tokenq.ops.fleet import FLEET_METRICS, Fleet, RegisteredWorker
 from tokenq.producer.client import Client
 from tokenq.producer.errors import JobFailed

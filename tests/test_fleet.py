@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from tests.helpers import make_tiny_llama_dir
-from tests.test_worker_support import (
+from tests.worker_support import (
     WorkerThread,
     check_reply,
     fast_config,

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.faults import WorkerProcess, free_port
 from tests.redis_fixtures import CLIENT
-from tests.test_worker_support import (
+from tests.worker_support import (
     WorkerThread,
     check_reply,
     default_queue,
@@ -202,6 +202,7 @@ def test_inspect_shows_finished_pending_and_dead_jobs(
         load = client.keys.metrics("w1")
         success = 'request_success_total{finished_reason="length"}'
         wait_for(lambda: conn.hget(load, success) == b"3")
+        # Past --stale-after 3 since the kill (its last heartbeat and KEEP came before it).
         time.sleep(max(0.0, 3.5 - (time.monotonic() - killed_at)))
         where = ["--redis-url", redis_url, "--namespace", redis_namespace, "--stale-after", "3"]
         status, out, _ = tokenq(capsys, "inspect", "--json", *where)

@@ -12,7 +12,7 @@ import redis
 
 from tests.helpers import DEFAULT_MODEL, make_tiny_llama_dir
 from tests.redis_fixtures import CLIENT
-from tests.test_worker_support import WorkerThread, check_reply, fast_config, make_engine
+from tests.worker_support import WorkerThread, check_reply, fast_config, make_engine
 from tokenq.bench.queue import _url_of
 from tokenq.engine import SamplingParams
 from tokenq.producer.client import Client, make_request

@@ -18,7 +18,7 @@ import structlog
 
 from tests.helpers import default_tokenizer, make_tiny_llama_dir
 from tests.redis_fixtures import CLIENT, TEST_MODEL
-from tests.test_worker_support import (
+from tests.worker_support import (
     WorkerThread,
     add_raw,
     check_reply,
@@ -406,7 +406,7 @@ def test_a_worker_holds_no_more_jobs_than_its_engine_admits(
     ):
         while not all(j.status() == "done" for j in jobs):
             held.append(len(pending(conn, keys)))
-            time.sleep(0.005)
+            time.sleep(0.005)  # a sample every 5 ms
     # The engine's two, and at most two more: jobs the engine has finished whose ends are
     # still being published when their slots are refilled (the engine does not wait for
     # Redis). The other eight stay in the stream for any worker to take.

@@ -14,7 +14,7 @@ import redis
 
 from tests.faults import RedisServer, TcpProxy, WorkerProcess
 from tests.redis_fixtures import CLIENT
-from tests.test_worker_support import (
+from tests.worker_support import (
     WorkerThread,
     check_reply,
     fast_config,
@@ -25,6 +25,7 @@ from tests.test_worker_support import (
     single_torch_thread,  # noqa: F401
     tiny_model,  # noqa: F401
     wait_for,
+    wait_still,
 )
 from tokenq.bench.queue import process_cpu
 from tokenq.producer.client import AsyncClient, Client, Job, make_request
@@ -176,7 +177,7 @@ def test_sigterm_finishes_jobs_in_flight_within_the_grace_period(
     with worker_process(tiny_model, redis_url, redis_namespace, tmp_path, 60) as worker:
         wait_started(conn, client, jobs)
         worker.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)  # let the handler run before anything new arrives
+        wait_for(lambda: "taking no more jobs" in worker.log.read_text(), timeout=60)
         later = client.submit("submitted after the stop", max_tokens=4)
         worker.wait_clean_exit(timeout=60)
     for job in jobs:
@@ -332,9 +333,8 @@ def test_a_frozen_queue_process_stops_the_engine_and_its_jobs_end_whole_after_th
         queue_pid = worker.queue_pid()
         os.kill(queue_pid, signal.SIGSTOP)
         try:
-            time.sleep(3)
-            used = process_cpu(worker.pid)
-            time.sleep(1)
+            used = wait_still(lambda: process_cpu(worker.pid), by=0.1, over=1.0, timeout=60)
+            time.sleep(1)  # the second measured
             assert process_cpu(worker.pid) - used < 0.2  # waiting in its write, not stepping
         finally:
             os.kill(queue_pid, signal.SIGCONT)

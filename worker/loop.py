@@ -214,6 +214,7 @@ class Worker:
         self._settling: list[Item] = []  # entries that end without running, to publish
         # Intake thread only.
         self._replay = True  # first, own pending entries a previous process left
+        self._taking = True  # until a pass sees the stop: then it logs that it takes no more
         self._turn = 0  # rotates which tenant a TAKE serves first
         self._bells = dict.fromkeys(c.served_names, b"0-0")  # last doorbell seen per model
         # The lanes the last TAKE drained, and until when that is believed without a
@@ -411,6 +412,9 @@ class Worker:
             self._heartbeat_at_once = True
             self._take_own_pending()
         if self.stopping:
+            if self._taking:
+                self._taking = False
+                self.log.info("taking no more jobs")
             time.sleep(block)
             return
         now = time.monotonic()

@@ -19,6 +19,7 @@ import torch
 
 from tests.helpers import make_tiny_llama_dir
 from tests.redis_fixtures import CLIENT, TEST_MODEL  # noqa: F401  (re-exported for tests)
+from tests.waits import wait_for, wait_still  # noqa: F401  (re-exported for tests)
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenq.protocol import GROUP, NO_TENANT, DoneEvent, Event, Keys, RestartEvent, TokenEvent
 from tokenq.worker.config import WorkerConfig
@@ -207,9 +208,25 @@ def reference_run(model: Path | str, requests: list[dict[str, Any]], **engine_kw
     return [(deltas[f"r{i}"], finals[f"r{i}"]) for i in range(len(requests))]
 
 
-def wait_for(predicate: Any, timeout: float = 20.0, interval: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(interval)
+def worker_successes(conn: redis.Redis, namespace: str) -> int:
+    """Jobs the workers of `namespace` finished, from their metrics summaries (rewritten
+    every `--metrics-interval`)."""
+    total = 0
+    for key in conn.scan_iter(match=f"{namespace}:metrics:*"):
+        for name, value in conn.hgetall(key).items():
+            if name.startswith(b"request_success_total"):
+                total += int(float(value))
+    return total
+
+
+def wait_for_summaries(conn: redis.Redis, namespace: str, after: float) -> None:
+    """Until every worker of `namespace` has rewritten its metrics summary since `after`
+    (a `time.time()`): what they had done by then is counted in it."""
+
+    def fresh() -> bool:
+        stamps = [
+            conn.hget(key, "updated_at") for key in conn.scan_iter(match=f"{namespace}:metrics:*")
+        ]
+        return bool(stamps) and all(s is not None and float(s) > after for s in stamps)
+
+    wait_for(fresh, timeout=60)
