@@ -132,7 +132,7 @@ class Fleet:
         return out
 
 
-LABELLED = re.compile(r'^(\w+)\{(.*)\}$')
+LABELLED = re.compile(r"^(\w+)\{(.*)\}$")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
