@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenq.producer.client import make_request
 from tokenq.protocol import DoneEvent, ProtocolError, TokenEvent, Usage
@@ -367,3 +369,43 @@ def test_not_an_object() -> None:
         to_submit_kwargs("chat", [1, 2])
     with pytest.raises(ValueError):
         to_submit_kwargs("edits", {})
+
+
+# Any JSON a client can send: the known fields with values of every JSON type, nested.
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_FIELDS = [
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "n", "stop", "seed", "logprobs", "top_logprobs", "logit_bias",
+    "stream", "stream_options", "user", "presence_penalty", "frequency_penalty",
+    "ignore_eos", "min_tokens", "response_format", "priority", "echo",
+]  # fmt: skip
+
+
+@given(
+    kind=st.sampled_from(["chat", "completions"]),
+    body=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=6)
+    | st.fixed_dictionaries(
+        {"model": st.just("m"), "messages": st.just([{"role": "user", "content": "hi"}])},
+        optional={f: _JSON for f in _FIELDS if f not in ("model", "messages")},
+    ),
+)
+@settings(max_examples=200, deadline=None)
+def test_any_json_body_is_a_job_or_a_400_never_another_exception(kind: str, body: dict) -> None:
+    """What the gateway does with a parsed body before any Redis call: a refusal in
+    OpenAI's shape (BadRequest) or a job the client accepts (else it would be a 500)."""
+    try:
+        kwargs = to_submit_kwargs(kind, body)
+        rendering(kind, body)
+    except BadRequest as exc:
+        assert 400 <= exc.status < 500 and exc.body()["error"]["message"]
+        return
+    try:
+        make_request(**kwargs).validate()
+    except InvalidRequest as exc:
+        assert exc.code and exc.message
