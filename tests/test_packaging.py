@@ -37,6 +37,8 @@ def test_the_wheel_holds_one_top_level_package_that_imports_the_same_way(tmp_pat
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"tokenq"}
     assert {"tokenq/kernels/cpu_ops.c", "tokenq/kernels/cpu_ops_typed.h"} <= set(names)
     assert "tokenq/server/dashboard.html" in names  # the gateway's /dashboard page
+    lua = {n.removeprefix("tokenq/protocol/scripts/") for n in names if n.endswith(".lua")}
+    assert lua == {p.name for p in (ROOT / "tokenq/protocol/scripts").glob("*.lua")}
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
@@ -52,6 +54,8 @@ def test_the_wheel_holds_one_top_level_package_that_imports_the_same_way(tmp_pat
         from tokenq.engine import LLM, SamplingParams
         assert tokenq.engine.__file__.startswith(sys.argv[1]), tokenq.engine.__file__
         assert not {"engine", "worker", "producer", "kernels"} & set(sys.modules)
+        from tokenq.protocol.scripts import source
+        assert "local function start_job" in source("take")  # its include, from the wheel
         """
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
@@ -180,7 +184,7 @@ def test_imports_run_one_way() -> None:
     wrong = []
     for part, allowed in ALLOWED.items():
         folder = FOLDERS.get(part, ROOT / "tokenq" / part)
-        for path in sorted(folder.glob("*.py")):
+        for path in sorted(folder.rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 names = []
                 if isinstance(node, ast.Import):
