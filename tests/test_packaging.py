@@ -49,7 +49,7 @@ def test_the_wheel_holds_one_top_level_package_that_imports_the_same_way(tmp_pat
     script = textwrap.dedent(
         """
         import sys
-        import tokenq, tokenq.engine, tokenq.worker.loop, tokenq.kernels.cpu_ops
+        import tokenq, tokenq.engine, tokenq.worker.worker, tokenq.kernels.cpu_ops
         from tokenq import AsyncClient, Client, JobFailed, QueueFull
         from tokenq.engine import LLM, SamplingParams
         assert tokenq.engine.__file__.startswith(sys.argv[1]), tokenq.engine.__file__

@@ -22,8 +22,8 @@ from tests.redis_fixtures import CLIENT, TEST_MODEL  # noqa: F401  (re-exported 
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenq.protocol import GROUP, NO_TENANT, DoneEvent, Event, Keys, RestartEvent, TokenEvent
 from tokenq.worker.config import WorkerConfig
-from tokenq.worker.loop import Worker
-from tokenq.worker.split import EngineHost
+from tokenq.worker.host import EngineHost
+from tokenq.worker.worker import Worker
 
 
 @pytest.fixture

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -28,3 +30,16 @@ def configure_logging(json: bool = True, level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+@dataclass
+class LogSettings:
+    """How a worker's processes log (`tokenq worker --log-format/--log-level`)."""
+
+    json: bool = True
+    level: str = "info"
+
+
+def job_log(log: Any, job_id: str | None) -> Any:
+    """`log` with the job id bound, when there is one."""
+    return log.bind(job_id=job_id) if job_id else log
