@@ -218,10 +218,9 @@ class EngineDriver(EngineView):
         return stepped
 
     def take_in(self) -> bool:
-        """Between two layers of a step: start the requests sent meanwhile, and run the
-        engine's step ahead for those that outrank the step in flight (their first token
-        then waits for no more than a layer of it). Aborts wait for the pass to end, since
-        the pass writes its requests' blocks. True if a step ahead ran."""
+        """Between two layers: start the requests sent meanwhile, with a step ahead for those
+        that outrank the step in flight (their first token waits a layer, not a step).
+        Aborts wait for the pass, which writes its requests' blocks. True if one ran."""
         added = False
         while not self._commands.empty():
             command = self._commands.get_nowait()

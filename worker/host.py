@@ -159,10 +159,9 @@ class EngineHost:
 
     def _due(self, outputs: list[Any]) -> bool:
         """Whether to send what the steps since the last send made (`outputs`: the latest
-        step's). A write costs about 0.14 ms, more than a tiny model's step, so running
-        jobs' tokens go once a stream interval; first tokens, ends, refusals, failures, a
-        change in what the engine admits, and all before it idles go at once. Capacity
-        that changes otherwise goes with the next send."""
+        step's). A write costs about 0.14 ms, more than a tiny model's step: running jobs'
+        tokens go once a stream interval; first tokens, ends, refusals, failures, a change
+        in what the engine admits and all before it idles go at once."""
         last, applied = self._last, self.driver.applied
         if not self._held and last is not None and applied == last.applied:
             return False
@@ -227,9 +226,8 @@ def _drain(driver: EngineDriver) -> list[Any]:
 
 def own_process_pays(engine: LLMEngine) -> bool:
     """Whether the Redis side runs faster in a process of its own: where the engine
-    computes on a device, or leaves CPU cores free. Where torch's threads fill every core
-    the threads measured better (docs/performance.md: 2 cores, 0.97-1.00 against
-    0.95-0.96)."""
+    computes on a device or leaves CPU cores free. Where torch's threads fill every core,
+    threads measured better (docs/performance.md: the default model on 2 cores)."""
     if engine.device.type != "cpu":
         return True
     import torch

@@ -165,15 +165,9 @@ class Scripts:
         ]
 
     def _evalsha(self, script: Script, keys: list[Any], args: list[Any]) -> Any:
-        """`script(keys, args)` on a connection of the client's pool, packed by hiredis in
-        one call: redis-py's command path (its packer walks every argument in Python, then
-        retries, events, observability) added about 100 us of CPU to a PUBLISH of 64 jobs,
-        which the publisher sends every step. The pool hands out a live connection (it
-        reconnects one Redis closed while it idled); a flushed script cache gets the
-        script loaded again; any other failure raises as redis-py's would, for the
-        caller's backoff to re-send (without redis-py's own retries). The connection is
-        dropped unless a whole reply was read, so that a late reply never answers the
-        next command."""
+        """`script(keys, args)` packed by hiredis in one call: redis-py's command path added
+        about 100 us of CPU to a PUBLISH of 64 jobs, sent every step. Failures raise for
+        the caller's backoff; the connection is dropped unless a whole reply was read."""
         pool = self._redis.connection_pool
         conn = pool.get_connection()
         try:
