@@ -54,11 +54,11 @@ class Intake:
         scripts: Scripts,
         config: WorkerConfig,
         driver: EngineDriver | RemoteEngine,
-        prompts: Prompts,
         table: InFlightTable,
         metrics: WorkerMetrics,
         fence: bytes,
         log: Any,
+        prompts: Prompts,
         stopping: Callable[[], bool],
         heartbeat_soon: Callable[[], None],
     ) -> None:

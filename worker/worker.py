@@ -82,15 +82,18 @@ class Worker:
         self.fence = f"{c.consumer}:{uuid.uuid4().hex[:12]}".encode()
         self.log = structlog.get_logger("tokenq.worker")
         self.table = InFlightTable(
-            self.keys, c, self.metrics, self.log, lambda: self.driver.outputs.put(WAKE)
+            self.keys, c, self.metrics, self.log, wake=lambda: self.driver.outputs.put(WAKE)
         )
         self.intake = Intake(
-            conn, self.scripts, c, self.driver, self.prompts, self.table, self.metrics,
-            self.fence, self.log, lambda: self.stopping, lambda: self.publisher.heartbeat_soon(),
+            conn, self.scripts, c, self.driver, self.table, self.metrics, self.fence, self.log,
+            prompts=self.prompts,
+            stopping=lambda: self.stopping,
+            heartbeat_soon=lambda: self.publisher.heartbeat_soon(),
         )  # fmt: skip
         self.publisher = Publisher(
-            conn, self.scripts, c, self.driver, self.table, self.metrics, self.fence,
-            self.log, self.register, self.intake.resync,
+            conn, self.scripts, c, self.driver, self.table, self.metrics, self.fence, self.log,
+            register=self.register,
+            resync=self.intake.resync,
         )  # fmt: skip
         self._stop_at: float | None = None
         self._halt = threading.Event()  # the Redis threads end
