@@ -112,10 +112,8 @@ class InFlightTable:
         self, delivery: Taken, job_id: str | None, mode: str = "settle", **fields: Any
     ) -> None:
         """Queue an entry's ending for the next PUBLISH (`fields`: the rest of its Item)."""
-        item = Item(
-            mode, delivery.stream, delivery.entry_id, job_id, backlog=self.backlog(delivery),
-            **fields,
-        )  # fmt: skip
+        backlog = self.backlog(delivery)
+        item = Item(mode, delivery.stream, delivery.entry_id, job_id, backlog=backlog, **fields)
         with self.lock:
             self.settling.append(item)
         self._wake()
