@@ -40,7 +40,7 @@ from tokenq.celery.bridge import Bridge, RevokeWatcher, job_kwargs
 from tokenq.producer.client import Client
 from tokenq.producer.errors import JobFailed, QueueFull
 from tokenq.protocol import Keys, ProtocolError, decode_event
-from tokenq.worker.loop import Worker
+from tokenq.worker.worker import Worker
 
 # On the tests that run a tokenq worker only: the fixture sets torch's (process-wide) thread
 # count on the way out, which a test without an engine has no reason to touch.

@@ -38,9 +38,9 @@ from tests.worker_support import (
 )
 from tokenq.producer.client import Client, Job, make_request
 from tokenq.protocol import NO_TENANT, ErrorEvent, Keys, TokenEvent, decode_event, pack, unpack
-from tokenq.worker import loop
-from tokenq.worker.loop import Worker
-from tokenq.worker.split import make_worker
+from tokenq.worker import intake, retry
+from tokenq.worker.host import make_worker
+from tokenq.worker.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -407,7 +407,7 @@ def test_a_bad_entry_naming_a_good_job_taken_with_it_leaves_that_job_alone(
     client.close()
 
 
-@pytest.mark.parametrize("start_chunk", [1, loop.START_CHUNK])
+@pytest.mark.parametrize("start_chunk", [1, intake.START_CHUNK])
 def test_a_second_good_entry_for_a_job_taken_with_it_runs_the_job_once(
     tiny_model: Path,  # noqa: F811
     redis_url: str,
@@ -418,7 +418,7 @@ def test_a_second_good_entry_for_a_job_taken_with_it_runs_the_job_once(
     """Two well-formed entries with one job id in one take, among others: the first starts
     the job, the second is acknowledged without a run, an error or a dead letter; also
     when the take's jobs are started a few at a time (each few its own START)."""
-    monkeypatch.setattr(loop, "START_CHUNK", start_chunk)
+    monkeypatch.setattr(intake, "START_CHUNK", start_chunk)
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     conn, keys = client.redis, client.keys
     good = Run.submit(client, 3, 6)
@@ -719,8 +719,8 @@ def test_the_worker_waits_out_a_refusing_redis_but_not_a_bug() -> None:
         redis.exceptions.NoPermissionError("this user has no permissions to run 'evalsha'"),
         redis.ResponseError("ERR Error running script: attempt to index a nil value"),
     ]
-    assert all(loop.passing(exc) for exc in waited)
-    assert not any(loop.passing(exc) for exc in fatal)
+    assert all(retry.passing(exc) for exc in waited)
+    assert not any(retry.passing(exc) for exc in fatal)
 
 
 def test_a_full_redis_stalls_publishing_and_every_job_still_ends_once_whole(

@@ -25,8 +25,8 @@ from tests.worker_support import (
 from tokenq import Client, QueueFull, UnknownModel
 from tokenq.producer.client import make_request
 from tokenq.protocol import ErrorEvent, TokenEvent, pack
-from tokenq.worker.loop import Worker
-from tokenq.worker.split import make_worker
+from tokenq.worker.host import make_worker
+from tokenq.worker.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -37,8 +37,8 @@ from tokenq.ops.fleet import FLEET_METRICS, FleetCollector
 from tokenq.producer.client import Client
 from tokenq.producer.errors import JobFailed
 from tokenq.protocol import Keys, pack
-from tokenq.worker.loop import Worker
 from tokenq.worker.metrics import LATENCY_BUCKETS, observe_many
+from tokenq.worker.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -37,6 +37,8 @@ def test_the_wheel_holds_one_top_level_package_that_imports_the_same_way(tmp_pat
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"tokenq"}
     assert {"tokenq/kernels/cpu_ops.c", "tokenq/kernels/cpu_ops_typed.h"} <= set(names)
     assert "tokenq/server/dashboard.html" in names  # the gateway's /dashboard page
+    lua = {n.removeprefix("tokenq/protocol/scripts/") for n in names if n.endswith(".lua")}
+    assert lua == {p.name for p in (ROOT / "tokenq/protocol/scripts").glob("*.lua")}
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
@@ -47,11 +49,13 @@ def test_the_wheel_holds_one_top_level_package_that_imports_the_same_way(tmp_pat
     script = textwrap.dedent(
         """
         import sys
-        import tokenq, tokenq.engine, tokenq.worker.loop, tokenq.kernels.cpu_ops
+        import tokenq, tokenq.engine, tokenq.worker.worker, tokenq.kernels.cpu_ops
         from tokenq import AsyncClient, Client, JobFailed, QueueFull
         from tokenq.engine import LLM, SamplingParams
         assert tokenq.engine.__file__.startswith(sys.argv[1]), tokenq.engine.__file__
         assert not {"engine", "worker", "producer", "kernels"} & set(sys.modules)
+        from tokenq.protocol.scripts import source
+        assert "local function start_job" in source("take")  # its include, from the wheel
         """
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
@@ -180,7 +184,7 @@ def test_imports_run_one_way() -> None:
     wrong = []
     for part, allowed in ALLOWED.items():
         folder = FOLDERS.get(part, ROOT / "tokenq" / part)
-        for path in sorted(folder.glob("*.py")):
+        for path in sorted(folder.rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 names = []
                 if isinstance(node, ast.Import):

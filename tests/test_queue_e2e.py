@@ -16,7 +16,7 @@ from tests.worker_support import WorkerThread, check_reply, fast_config, make_en
 from tokenq.bench.queue import _url_of
 from tokenq.engine import SamplingParams
 from tokenq.producer.client import Client, make_request
-from tokenq.worker.loop import Worker
+from tokenq.worker.worker import Worker
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -39,12 +39,15 @@ from tokenq.engine import SamplingParams
 from tokenq.engine.outputs import RequestDelta
 from tokenq.producer.client import Client, make_request
 from tokenq.protocol import Keys, TokenEvent, decode_event, encode_event, pack, unpack
-from tokenq.worker.config import WorkerConfig
+from tokenq.worker.config import WorkerConfig, connect
+from tokenq.worker.detokenizer import Detokenizing, text_side
 from tokenq.worker.driver import Add, EngineDriver, Failed, Refused
+from tokenq.worker.host import make_worker
+from tokenq.worker.intake import EMPTIED_FOR_BLOCKS
 from tokenq.worker.logs import configure_logging
-from tokenq.worker.loop import EMPTIED_FOR_BLOCKS, Worker
+from tokenq.worker.pipe import NOT_SENT
 from tokenq.worker.scripts import Scripts, TakeResult
-from tokenq.worker.split import NOT_SENT, Detokenizing, connect, make_worker
+from tokenq.worker.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -435,25 +438,25 @@ def test_a_take_that_drained_the_queues_is_not_repeated_until_a_doorbell_rings(
 
     worker.scripts.take = counted  # type: ignore[method-assign]
     client.submit_many([make_request("first", max_tokens=2, **GREEDY)])
-    worker._admit(2.0)
+    worker.intake.admit(2.0)
     assert taken == [1]
     client.submit_many([make_request("second", max_tokens=2, **GREEDY)])
     started = time.monotonic()
-    worker._admit(2.0)  # the second submit's doorbell, not a TAKE of the drained queue
+    worker.intake.admit(2.0)  # the second submit's doorbell, not a TAKE of the drained queue
     assert taken == [1]
     assert time.monotonic() - started < 1.0  # a ring TAKE had not seen: no wait
     block = 0.05  # from here: the TAKE's answer expires after EMPTIED_FOR_BLOCKS of these
-    worker._admit(block)
+    worker.intake.admit(block)
     assert taken == [1, 1]
     started = time.monotonic()
-    worker._admit(block)  # that TAKE saw the second ring: this waits for a newer one
+    worker.intake.admit(block)  # that TAKE saw the second ring: this waits for a newer one
     assert taken == [1, 1]
     assert time.monotonic() - started >= block * 0.9
     fields = {"v": "2", "id": "no-bell", "data": pack({"prompt": "third", "max_tokens": 2})}
     add_raw(conn, worker.keys, fields)  # as a producer that rings no doorbell
     started = time.monotonic()
     while sum(taken) < 3:
-        worker._admit(block)
+        worker.intake.admit(block)
         assert time.monotonic() - started < 10, taken
     # Doorbell waits, not TAKEs, until the TAKE's answer was EMPTIED_FOR_BLOCKS blocks old.
     assert taken == [1, 1, 1]
@@ -672,14 +675,14 @@ def test_a_job_whose_text_fails_in_the_queue_process_ends_alone_with_an_error() 
     aborted: list[str] = []
     texts = Detokenizing(DecodesAllBut(999), aborted.append)  # type: ignore[arg-type]
     names = ["ok", "bad", "stops", "refused", "dropped", "bad prompt"]
-    adds = [
-        Add(name, [1, 2], SamplingParams(stop=["."] if name == "stops" else []), 0, 0.0, None)
-        for name in names
-    ]
+    adds = []
+    for name in names:
+        params = SamplingParams(stop=["."] if name == "stops" else [])
+        adds.append(Add(name, [1, 2], params, 0, 0.0, None, text_side(params)))
     adds[-1].prompt_token_ids = [1, 999]
     for add in adds:
         texts.take(add)
-    assert [add.params.detokenize for add in adds] == [False, False, True, False, False, False]
+    assert [add.text_by == "engine" for add in adds] == [False, False, True, False, False, False]
     texts.prepare()  # the intake's, once the delivery is sent: a prompt it cannot decode too
 
     def delta(job: str, ids: list[int], end: str | None = None, text: str = "") -> RequestDelta:

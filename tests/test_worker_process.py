@@ -30,7 +30,7 @@ from tests.worker_support import (
 from tokenq.bench.queue import process_cpu
 from tokenq.producer.client import AsyncClient, Client, Job, make_request
 from tokenq.protocol import TokenEvent, decode_event
-from tokenq.worker.loop import Worker
+from tokenq.worker.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -355,7 +355,7 @@ def test_auto_gives_the_redis_side_a_process_only_where_torch_leaves_a_core(
 ) -> None:
     import torch
 
-    from tokenq.worker.split import make_worker, own_process_pays
+    from tokenq.worker.host import make_worker, own_process_pays
 
     engine = make_engine(tiny_model)
     cores = len(os.sched_getaffinity(0))

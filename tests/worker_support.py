@@ -23,8 +23,8 @@ from tests.waits import wait_for, wait_still  # noqa: F401  (re-exported for tes
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenq.protocol import GROUP, NO_TENANT, DoneEvent, Event, Keys, RestartEvent, TokenEvent
 from tokenq.worker.config import WorkerConfig
-from tokenq.worker.loop import Worker
-from tokenq.worker.split import EngineHost
+from tokenq.worker.host import EngineHost
+from tokenq.worker.worker import Worker
 
 
 @pytest.fixture

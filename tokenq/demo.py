@@ -65,7 +65,7 @@ class LiveView:
 
 def run_demo(model: str = DEFAULT_MODEL, max_tokens: int = 48) -> int:
     from tokenq.engine import EngineConfig, LLMEngine
-    from tokenq.worker.loop import Worker
+    from tokenq.worker.worker import Worker
 
     configure_logging(json=False, level="warning")
     print(f"loading {model} ...", flush=True)

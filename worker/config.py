@@ -1,4 +1,5 @@
-"""Worker settings: the queue side only; the engine has its own EngineConfig."""
+"""Worker settings (the queue side only; the engine has its own EngineConfig), and the
+worker's Redis connection."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+import redis
+
 from tokenq.protocol import DEFAULT_LIMITS, DEFAULT_NAMESPACE, GROUP, Limits
+from tokenq.protocol.connection import keepalive_for
 
 
 def default_consumer() -> str:
@@ -16,7 +20,7 @@ def default_consumer() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-# Where a worker's Redis work runs (`tokenq worker --redis-side`, worker/split.py).
+# Where a worker's Redis work runs (`tokenq worker --redis-side`, worker/host.py).
 REDIS_SIDES = ("auto", "process", "threads")
 
 
@@ -84,3 +88,15 @@ class WorkerConfig:
             raise ValueError("max_deliveries must be at least 1")
         if self.block_ms < 1:
             raise ValueError("block_ms must be at least 1")
+
+
+def connect(redis_url: str, config: WorkerConfig) -> redis.Redis:
+    """The worker's connection, in whichever process its Redis side runs. Every read times
+    out past the longest block, so a silent Redis is waited out with backoff like one that
+    refuses (redis-py before 8 waits forever by default)."""
+    return redis.Redis.from_url(
+        redis_url,
+        socket_connect_timeout=5,
+        socket_timeout=5 + config.block_ms / 1000,
+        **keepalive_for(redis_url),
+    )

@@ -1,10 +1,9 @@
 """The engine's side of a worker: one thread that only steps the engine.
 
-Redis work happens on other threads (worker/loop.py). They talk to the engine through
-this driver only: requests and aborts go in as commands, applied between two steps
-(requests also between two layers of a step: `take_in`); each step's outputs come out on
-a queue. So the next step starts as soon as the engine's own bookkeeping is done,
-whatever Redis is doing, and the engine is never touched by two threads at once.
+The Redis threads (worker/intake.py, worker/publisher.py) reach the engine through this
+driver only: requests and aborts go in as commands, applied between two steps (requests
+also between two layers: `take_in`); each step's outputs come out on a queue. So the next
+step never waits for Redis, and the engine is never touched by two threads at once.
 """
 
 from __future__ import annotations
@@ -27,6 +26,11 @@ if TYPE_CHECKING:
     from tokenq.engine.outputs import EngineStats, RequestDelta
 
 
+# Who turns a job's tokens into text (`Add.text_by`): the engine, or a queue process
+# (worker/detokenizer.py), whose jobs' params then ask the engine for none.
+ENGINE, QUEUE = "engine", "queue"
+
+
 @dataclass
 class Add:
     """Start a request: its prompt tokenized and its parameters validated already, off
@@ -38,6 +42,7 @@ class Add:
     priority: int
     arrival_time: float  # time.monotonic()
     deadline: float | None  # time.monotonic()
+    text_by: str = ENGINE
 
 
 @dataclass
@@ -95,7 +100,7 @@ class Snapshot:
 class EngineView:
     """The engine as the Redis side sees it: the latest snapshot, requests sent to it and
     not applied yet, and an event for freed slots. Shared by the driver in the engine's
-    process and its stand-in in a queue process (worker/split.py)."""
+    process and its stand-in in a queue process (worker/remote.py)."""
 
     def __init__(self, state: Snapshot) -> None:
         self.state = state  # replaced whole, never mutated
@@ -135,9 +140,13 @@ class EngineView:
         pending = self._sent - self.state.applied
         return tuple(max(0, free - pending) for free in self.state.free_by_lane)  # type: ignore[return-value]
 
+    def text_by(self, params: SamplingParams) -> str:
+        """Who makes a job's text: here, the engine."""
+        return ENGINE
+
     def prepare_texts(self) -> None:
-        """Called once a delivery is all sent: a queue process decodes what the text of
-        those jobs' first tokens needs (worker/split.py). Here the engine makes the text."""
+        """Once a delivery is sent: a queue process prepares the text of those jobs' first
+        tokens (worker/detokenizer.py). Here the engine makes the text."""
 
     def _update(self, state: Snapshot) -> None:
         before, self.state = self.state, state
@@ -209,10 +218,9 @@ class EngineDriver(EngineView):
         return stepped
 
     def take_in(self) -> bool:
-        """Between two layers of a step: start the requests sent meanwhile, and run the
-        engine's step ahead for those that outrank the step in flight (their first token
-        then waits for no more than a layer of it). Aborts wait for the pass to end, since
-        the pass writes its requests' blocks. True if a step ahead ran."""
+        """Between two layers: start the requests sent meanwhile, with a step ahead for those
+        that outrank the step in flight (their first token waits a layer, not a step).
+        Aborts wait for the pass, which writes its requests' blocks. True if one ran."""
         added = False
         while not self._commands.empty():
             command = self._commands.get_nowait()

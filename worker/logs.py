@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -45,3 +47,16 @@ def configure_logging(json: bool = True, level: str = "info") -> None:
     own.handlers[:] = [handler]
     own.setLevel(level.upper())
     own.propagate = False
+
+
+@dataclass
+class LogSettings:
+    """How a worker's processes log (`tokenq worker --log-format/--log-level`)."""
+
+    json: bool = True
+    level: str = "info"
+
+
+def job_log(log: Any, job_id: str | None) -> Any:
+    """`log` with the job id bound, when there is one."""
+    return log.bind(job_id=job_id) if job_id else log

@@ -84,11 +84,9 @@ class _EngineCollector(Collector):
 
 
 def observe_many(hist: Histogram, values: Iterable[float]) -> None:
-    """``hist.observe(v)`` for each value, with one locked add per bucket touched instead
-    of two per value: a job's inter-token gaps (one per token) were a quarter of the
-    worker's Redis-side time holding the interpreter lock, which the engine's thread then
-    waits for. Falls back to ``observe`` where the histogram's layout is not the one read
-    here (another prometheus_client)."""
+    """``hist.observe(v)`` for each value, one locked add per bucket touched: per value, a
+    job's inter-token gaps took a quarter of the Redis side's time under the interpreter
+    lock. Falls back to ``observe`` on another prometheus_client's layout."""
     values = list(values)
     bounds = getattr(hist, "_upper_bounds", None)
     buckets = getattr(hist, "_buckets", None)

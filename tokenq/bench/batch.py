@@ -34,7 +34,7 @@ from tokenq.bench.queue import (
 )
 from tokenq.protocol.connection import DEFAULT_REDIS_URL
 from tokenq.worker.config import WorkerConfig
-from tokenq.worker.logs import configure_logging
+from tokenq.worker.logs import LogSettings, configure_logging
 
 
 def run_direct(engine: Any, prompts: list[str], params: dict[str, Any]) -> RunResult:
@@ -60,7 +60,7 @@ def batch_file(path: Path, prompts: list[str], params: dict[str, Any]) -> Path:
 def run_batch(engine: Any, url: str, namespace: str, source: Path, workdir: Path) -> RunResult:
     """The batch command against a worker on this engine, run as `tokenq worker` runs:
     the engine on the main thread, the Redis side where `--redis-side auto` puts it."""
-    from tokenq.worker.split import LogSettings, make_worker
+    from tokenq.worker.host import make_worker
 
     config = WorkerConfig(namespace=namespace, served_names=(BENCH_NAME,))
     worker = make_worker(engine, url, config, logs=LogSettings(json=False, level="warning"))

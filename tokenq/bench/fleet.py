@@ -26,7 +26,7 @@ from tokenq.producer.client import Client, make_request
 from tokenq.protocol import DoneEvent, ErrorEvent, TokenEvent
 from tokenq.protocol.connection import DEFAULT_REDIS_URL
 from tokenq.worker.config import WorkerConfig
-from tokenq.worker.logs import configure_logging
+from tokenq.worker.logs import LogSettings, configure_logging
 
 NAME = "bench-fleet"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -97,7 +97,7 @@ def client_side(url: str, namespace: str, work: Workload, mode: str, results: An
 
 
 def run(engine: Any, url: str, work: Workload, mode: str) -> dict[str, Any]:
-    from tokenq.worker.split import LogSettings, make_worker
+    from tokenq.worker.host import make_worker
 
     namespace = f"bench-fleet-{uuid.uuid4().hex[:8]}"
     conn = Client(url).redis

@@ -30,7 +30,7 @@ from tokenq.producer.client import Client, make_request
 from tokenq.protocol import DoneEvent, ErrorEvent, TokenEvent
 from tokenq.protocol.connection import DEFAULT_REDIS_URL
 from tokenq.worker.config import REDIS_SIDES, WorkerConfig
-from tokenq.worker.logs import configure_logging
+from tokenq.worker.logs import LogSettings, configure_logging
 
 if TYPE_CHECKING:
     from tokenq.engine import LLMEngine
@@ -128,8 +128,8 @@ def run_queue(
     `client_process(url, namespace, prompts, params, results)` is the client's side when
     not tokenq's own Client (`tokenq bench gateway` puts the OpenAI SDK there);
     `worker_options`: WorkerConfig fields."""
-    from tokenq.worker.loop import Worker
-    from tokenq.worker.split import EngineHost, LogSettings, make_worker
+    from tokenq.worker.host import EngineHost, make_worker
+    from tokenq.worker.worker import Worker
 
     config = WorkerConfig(namespace=namespace, served_names=(BENCH_NAME,), **worker_options)
     outcome: dict[str, Any] = {}

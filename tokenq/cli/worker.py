@@ -3,7 +3,7 @@
 Options and their defaults come from the settings they fill: `EngineConfig` and
 `WorkerConfig` hold the defaults (shown in --help), this module only names the flags; an
 option not given leaves the dataclass default in place. One engine per device, in the
-process started; `tokenq worker` spawns its Redis side beside it (worker/split.py), never
+process started; `tokenq worker` spawns its Redis side beside it (worker/host.py), never
 forks: CUDA does not survive forking, and one engine already batches everything the device
 holds."""
 
@@ -24,7 +24,7 @@ from tokenq.cli.options import common_options, option, parse_size
 from tokenq.engine.config import EngineConfig
 from tokenq.protocol import MODEL_RE
 from tokenq.worker.config import REDIS_SIDES, WorkerConfig, default_consumer
-from tokenq.worker.logs import configure_logging
+from tokenq.worker.logs import LogSettings, configure_logging
 
 # EngineConfig field -> (parser of the flag's value, help)
 ENGINE_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
@@ -159,8 +159,8 @@ def served_names(model: str, given: list[str] | None) -> tuple[str, ...]:
 
 def run_worker(args: argparse.Namespace) -> int:
     from tokenq.engine import LLMEngine
-    from tokenq.worker.loop import UnsupportedRedis
-    from tokenq.worker.split import LogSettings, make_worker
+    from tokenq.worker.host import make_worker
+    from tokenq.worker.worker import UnsupportedRedis
 
     configure_logging(json=args.log_format == "json", level=args.log_level)
     log = structlog.get_logger("tokenq.worker")

@@ -4,15 +4,16 @@ Replaying puts a dead job back on its original queue, under its original job id 
 its original payload, once the cause is fixed (a worker for its model has started, the
 workers no longer die on it). A dead job has ended: its job key says `error` and its reply
 stream holds the `error` event, and a worker that finds either acknowledges the entry
-without running it ("one terminal event per job"). So the replay, one script (REPLAY):
+without running it ("one terminal event per job"). So the replay, one script
+(tokenq/protocol/scripts/replay.lua):
 
 1. refuses if the dead letter is gone (replayed or purged meanwhile), or if the job key
    holds anything but `error` (the job was submitted again and is queued, running or done);
 2. refuses, changing nothing, if the lane is full (QueueFull);
 3. deletes the job key, the reply stream, the owner and cancel keys: the job starts over
    with a clean reply, as if never submitted;
-4. submits it with the client's own SUBMIT script (job key, queue set, entry, backlog
-   counter, doorbell), to the queue the entry came from;
+4. submits it with the client's own SUBMIT, included whole (job key, queue set, entry,
+   backlog counter, doorbell), to the queue the entry came from;
 5. deletes the dead letter.
 
 A client that followed the old reply saw its `error` and stopped; one that asks for the
@@ -26,7 +27,7 @@ from typing import Any
 
 import redis
 
-from tokenq.producer.client import SUBMIT, ClientConfig
+from tokenq.producer.client import ClientConfig
 from tokenq.producer.errors import QueueFull
 from tokenq.protocol import (
     DEFAULT_NAMESPACE,
@@ -37,36 +38,9 @@ from tokenq.protocol import (
     lane_of,
     unpack,
 )
+from tokenq.protocol.scripts import source
 
 PAGE = 100  # dead letters read per call while looking for a job id
-
-# KEYS: the dead-letter stream, then the job's job, reply, owner and cancel keys
-# ARGV: the dead letter's id, then SUBMIT's arguments for this one job
-# ->    SUBMIT's answer, or {"gone"}, or {"state", <job key value>}
-REPLAY = (
-    """
-local dead, job = KEYS[1], KEYS[2]
-if #redis.call('XRANGE', dead, ARGV[1], ARGV[1]) == 0 then return {'gone'} end
-local state = redis.call('GET', job)
-if state and state ~= 'error' then return {'state', state} end
-local args = {unpack(ARGV, 2)}
-local ns, model, lane = args[1], args[7], args[10]
-local caps = {interactive = tonumber(args[3]), default = tonumber(args[4]),
-              batch = tonumber(args[5])}
-local have = tonumber(redis.call('GET', ns .. ':backlog:' .. model .. ':' .. lane) or '0')
-if have + 1 > caps[lane] then return {'full', lane, have, caps[lane], model} end
-redis.call('DEL', job, KEYS[3], KEYS[4], KEYS[5])
--- SUBMIT, verbatim, reading its arguments from the table passed in.
-local function submit(ARGV)
-"""
-    + SUBMIT
-    + """
-end
-local answer = submit(args)
-redis.call('XDEL', dead, ARGV[1])
-return answer
-"""
-)
 
 
 class NotFound(LookupError):
@@ -160,7 +134,7 @@ class DeadLetters:
     def __init__(self, conn: redis.Redis, namespace: str = DEFAULT_NAMESPACE) -> None:
         self.redis = conn
         self.keys = Keys(namespace)
-        self._replay = conn.register_script(REPLAY)
+        self._replay = conn.register_script(source("replay"))
 
     def count(self) -> int:
         return self.redis.xlen(self.keys.dead)

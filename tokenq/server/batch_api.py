@@ -53,6 +53,7 @@ from tokenq.batch.runner import (
 )
 from tokenq.producer.client import Client
 from tokenq.protocol import Keys
+from tokenq.protocol.scripts import source
 from tokenq.server.openai_api import BadRequest, error_body
 
 VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED = (
@@ -75,33 +76,6 @@ TIMESTAMPS = (
     "cancelling_at",
     "cancelled_at",
 )
-
-# Move a batch to a new status if it is in one of the given ones, stamping the time.
-#   KEYS: the batch hash; ARGV: new status, timestamp field ('' for none), now, from...
-#   -> 1 if moved, 0 if not (its status was another)
-TRANSITION = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 0 end
-for i = 4, #ARGV do
-  if ARGV[i] == status then
-    redis.call('HSET', KEYS[1], 'status', ARGV[1])
-    if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], ARGV[2], ARGV[3]) end
-    return 1
-  end
-end
-return 0
-"""
-# Renew or release a lock only while it holds our token.
-RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 @dataclass(frozen=True)
@@ -269,9 +243,9 @@ class BatchRunner:
         self.token = secrets.token_hex(8)
         self.running: dict[str, asyncio.Task[None]] = {}
         self.wake = asyncio.Event()
-        self.transition = self.redis.register_script(TRANSITION)
-        self.renew = self.redis.register_script(RENEW)
-        self.release = self.redis.register_script(RELEASE)
+        self.transition = self.redis.register_script(source("batch_transition"))
+        self.renew = self.redis.register_script(source("lock_renew"))
+        self.release = self.redis.register_script(source("lock_release"))
 
     async def loop(self) -> None:
         while True:
