@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     device = config.resolved_device()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
     threads = config.num_threads or torch.get_num_threads()
-    print(f"# {cpu_name()} ({has}); on {where}, torch {torch.__version__}, {threads} threads")
+    threads_used = f"{threads} thread{'s' if threads > 1 else ''}"
+    print(f"# {cpu_name()} ({has}); on {where}, torch {torch.__version__}, {threads_used}")
     print(
         f"# {config.model}: {args.prompts} prompts of {args.prompt_len[0]}-{args.prompt_len[1]} "
         f"random tokens, {args.max_tokens} tokens each, greedy, EOS ignored; all at once "
