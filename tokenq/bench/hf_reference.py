@@ -1,8 +1,5 @@
-"""Hugging Face transformers on the same weights: the yardstick for parity and benchmarks.
-
-A development tool: transformers comes with the ``bench`` extra (and ``dev``), not with the
-worker, and is imported only when a function here is called.
-"""
+"""Hugging Face transformers on the same weights: the yardstick for parity and benchmarks,
+imported only when called (transformers comes with the ``bench`` extra, not the worker)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""``tokenq bench kernels``: on a GPU, decode attention against memory bandwidth; on the
-CPU, each C kernel against the torch ops it replaces (``bench_cpu``).
-
-Decode attention reads every cached K/V byte once and does little arithmetic, so the GPU
-figure of merit is K/V bytes read per second against what the same device reaches on a
-plain ``copy_``.
-"""
+"""``tokenq bench kernels``: on a GPU, decode attention's K/V bytes read per second against
+a plain ``copy_`` (it is bandwidth-bound); on the CPU, each C kernel against torch's ops."""
 
 from __future__ import annotations
 
@@ -42,11 +37,8 @@ def run_kernel_bench(
     block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[dict[str, float | str]]:
-    """Time one decode step's attention per backend; print and return the table rows.
-
-    Blocks are handed out in shuffled order, as after a while of serving, so reads are as
-    scattered as in production rather than one contiguous stream.
-    """
+    """One decode step's attention timed per backend, printed and returned; blocks shuffled,
+    as after a while of serving, so reads scatter as in production."""
     if not torch.cuda.is_available():
         raise RuntimeError(_NO_CUDA)
 
@@ -94,19 +86,21 @@ def run_kernel_bench(
     return rows
 
 
-def main(argv: list[str], build_dir: Path) -> int:
-    """``tokenq bench kernels [--device auto|cuda|cpu] [CPU options]``: the GPU table on
-    CUDA (auto, where there is a GPU), the C kernels against torch on the CPU."""
-    ap = argparse.ArgumentParser(prog="tokenq bench kernels", add_help=False)
+def main(argv: list[str], build_dir: Path | None = None) -> int:
+    """``build_dir``: where the C kernels are built (default: the engine's)."""
+    ap = argparse.ArgumentParser(prog="tokenq bench kernels", description=__doc__, add_help=False)
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     args, rest = ap.parse_known_args(argv)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
+    if device == "cpu":  # the CPU table's parser takes the rest, --help included
         from tokenq.bench.kernels_cpu import main as bench_cpu
+        from tokenq.engine.downloads import build_dir as engine_build_dir
 
-        return bench_cpu(rest, build_dir)
+        return bench_cpu(rest, build_dir or engine_build_dir())
+    ap.add_argument("-h", "--help", action="help", help="show this help message and exit")
+    ap.parse_args(argv)  # the GPU table takes no other options
     if not torch.cuda.is_available():
         print(f"error: {_NO_CUDA}", file=sys.stderr)
         return 1

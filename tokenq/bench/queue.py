@@ -1,13 +1,5 @@
-"""`tokenq bench queue`: what going through Redis costs, on workload W1.
-
-One engine, two runs of the same requests: straight into the engine, then through the
-queue (producer -> job stream -> worker -> reply streams -> client; the client in a process
-of its own, as an application server would be, so that its work does not share this
-process's interpreter lock with the engine; in a thread when the queue is an in-process
-fakeredis). Reported: generated tokens per second of each and their ratio, and the
-time to first token each way with the difference at the median and p99. Prefix caching is
-off so that no run reuses an earlier run's prompts.
-"""
+"""`tokenq bench queue`: W1 through Redis against the same engine run directly, in tokens per
+second and time to first token (the client in a process of its own, as an app server's)."""
 
 from __future__ import annotations
 
@@ -22,18 +14,16 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
+from tokenq.bench.common import GREEDY, WARM_UP, add_engine_options, engine_from, warm_up
 from tokenq.producer.client import Client, make_request
 from tokenq.protocol import DoneEvent, ErrorEvent, TokenEvent
 from tokenq.protocol.connection import DEFAULT_REDIS_URL
 from tokenq.worker.config import REDIS_SIDES, WorkerConfig
 from tokenq.worker.logs import LogSettings, configure_logging
-
-if TYPE_CHECKING:
-    from tokenq.engine import LLMEngine
 
 BENCH_NAME = "bench"  # the model name the benchmark's worker serves
 
@@ -44,10 +34,8 @@ class RunResult:
     tokens: int
     ttft: list[float]
     steps: tuple[float, float] | None = None  # from StepClock.time, where the run was timed
-    # CPU seconds each party beside the engine used during a queue run (client process,
-    # queue process, redis-server), where they are processes of their own: on a host whose
-    # cores the engine fills, that is what slows its steps. It moves less than the run's
-    # wall time with the machine's other load, but still moves (a slower host spends more).
+    # CPU seconds each party beside the engine used in a queue run, where they are processes
+    # of their own: on a host whose cores the engine fills, that is what slows its steps.
     cpu: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -56,10 +44,8 @@ class RunResult:
 
 
 class StepClock:
-    """Times the engine's steps from the outside (the engine's `step`, wrapped on this
-    instance): how much of a run the engine spent stepping, and how long its steps took.
-    A loop that keeps the engine busy shows a small gap; steps that take longer through
-    the queue than directly show the CPU (or interpreter lock) the Redis side took."""
+    """The engine's steps timed from outside: steps that take longer through the queue than
+    directly show the CPU (or interpreter lock) the Redis side took."""
 
     def __init__(self, engine: Any) -> None:
         self._reset()
@@ -83,8 +69,7 @@ class StepClock:
         self.last = 0.0
 
     def time(self, run: Callable[[], RunResult]) -> RunResult:
-        """`run()`, its result carrying (seconds stepping, seconds from the first step's
-        start to the last one's end) as `steps`."""
+        """`run()`, with (seconds stepping, seconds from first step to last) as `steps`."""
         self._reset()
         result = run()
         span = 0.0 if self.first is None else self.last - self.first
@@ -122,12 +107,9 @@ def run_queue(
     redis_side: str = "auto",
     **worker_options: Any,
 ) -> RunResult:
-    """The worker runs as `tokenq worker --redis-side` does: the engine in the main thread,
-    the Redis side in a process of its own or on threads (always threads with an
-    in-process fakeredis); the client in another process (in a thread with fakeredis).
-    `client_process(url, namespace, prompts, params, results)` is the client's side when
-    not tokenq's own Client (`tokenq bench gateway` puts the OpenAI SDK there);
-    `worker_options`: WorkerConfig fields."""
+    """The worker as `tokenq worker --redis-side` runs it, the client in a process of its
+    own (`client_process`: another client, such as the gateway's SDK side; a thread with
+    fakeredis). `worker_options`: WorkerConfig fields."""
     from tokenq.worker.host import EngineHost, make_worker
     from tokenq.worker.worker import Worker
 
@@ -180,9 +162,8 @@ def run_queue(
 
 
 def run_beside(worker: Any, side: Callable[[], None]) -> None:
-    """Run the worker on this thread (the engine's: torch is slower in another) while
-    `side`, on a thread of its own, drives the run and stops the worker when done. Raises
-    if the worker's queue process failed."""
+    """The worker on this thread (torch is slower in another) while `side`, on a thread of
+    its own, drives the run and stops the worker; raises if the queue process failed."""
     waiter = threading.Thread(target=side, daemon=True)
     waiter.start()
     code = worker.run() or 0
@@ -208,8 +189,7 @@ def _url_of(conn: Any) -> str | None:
 
 
 def _side_cpu(conn: Any, worker: Any) -> dict[str, float]:
-    """CPU seconds used so far by the queue process (none when the Redis side runs on the
-    engine's threads) and by the whole redis-server."""
+    """CPU seconds used so far by the queue process (where there is one) and redis-server."""
     cpu = {}
     pid = getattr(worker, "queue_pid", None)
     used = None if pid is None else process_cpu(pid)
@@ -261,9 +241,8 @@ def stream_jobs(client: Client, prompts: list[list[int]], params: dict[str, Any]
 
 
 def connect(url: str, *, required: str | None = None) -> Any:
-    """The given Redis server. When none answers: an in-process fakeredis, or, for a bench
-    whose other side is a process of its own (the gateway, `tokenq batch run`) and so cannot
-    share one, exit with the message `required`."""
+    """The given Redis server; when none answers, an in-process fakeredis, or exit with
+    `required` for a bench whose other side is a process that cannot share one."""
     conn = redis.Redis.from_url(url, socket_connect_timeout=1)
     try:
         conn.ping()
@@ -278,40 +257,10 @@ def connect(url: str, *, required: str | None = None) -> Any:
 
 
 def delete_namespace(conn: Any, namespace: str) -> None:
-    """Every key a bench left under its namespace: each run takes a fresh random one on a
-    Redis server that may be shared, and leaves nothing behind there."""
+    """Every key a bench left under its fresh namespace: the server may be shared."""
     keys = list(conn.scan_iter(match=f"{namespace}:*", count=1000))
     if keys:
         conn.delete(*keys)
-
-
-def add_engine_options(ap: argparse.ArgumentParser) -> None:
-    """The engine flags the benches share (--model, --device, --dtype, --num-threads), so
-    that one command line picks the same engine in each of them."""
-    from tokenq.engine.downloads import DEFAULT_MODEL
-
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-threads", type=int, default=None)
-
-
-def engine_from(args: argparse.Namespace, **options: Any) -> LLMEngine:
-    """The engine of `add_engine_options`' flags, plus any other EngineConfig `options`.
-    Prefix caching is off: the benches send the same prompts more than once (warm-up,
-    repeats), and a later run reusing an earlier run's cache would measure less work."""
-    from tokenq.engine import EngineConfig, LLMEngine
-
-    return LLMEngine(
-        EngineConfig(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            num_threads=args.num_threads,
-            enable_prefix_caching=False,
-            **options,
-        )
-    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -351,8 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = engine_from(args)
     workload = w1(args.requests, args.prompt_len, args.gen)
     interval = {"stream_interval_s": args.stream_interval, "redis_side": args.redis_side}
-    params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.gen}
-    warmup = {**params, "max_tokens": 2}  # every prefill shape once before measuring
+    params = {**GREEDY, "max_tokens": args.gen}
     direct_params = {**params, "detokenize": False} if args.direct_ids_only else params
     conn = connect(args.redis_url)
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
@@ -360,8 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     queues: list[RunResult] = []
     clock = StepClock(engine)
     try:
-        run_direct(engine, workload.prompts, warmup)
-        run_queue(engine, conn, namespace, workload.prompts, warmup, **interval)
+        warm_up(engine, workload.prompts)
+        run_queue(engine, conn, namespace, workload.prompts, WARM_UP, **interval)
         for _ in range(args.repeat):  # alternating, so drifting machine load hits both sides
             directs.append(clock.time(lambda: run_direct(engine, workload.prompts, direct_params)))
             queues.append(

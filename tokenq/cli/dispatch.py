@@ -28,7 +28,8 @@ __all__ = ["EXIT_JOB_FAILED", "EXIT_QUEUE_FULL", "EXIT_TIMEOUT", "EXIT_USAGE", "
 WORKER_COMMANDS = {
     "worker": "serve jobs from the job stream (needs tokenq[worker])",
     "demo": "everything in one process, no Redis server needed (needs tokenq[worker])",
-    "bench": "benchmarks: engine, queue, gateway, fleet, batch, kernels (needs tokenq[worker])",
+    "bench": "benchmarks: engine, queue, gateway, fleet, batch, kernels, invariance (needs "
+    "tokenq[worker])",
 }
 WORKER_EXTRA = "pip install 'tokenq[worker]'"
 

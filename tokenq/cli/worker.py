@@ -20,6 +20,8 @@ from typing import Any
 
 import structlog
 
+from tokenq.bench.main import TARGETS as BENCH_TARGETS
+from tokenq.bench.main import main as bench_main
 from tokenq.cli.options import common_options, option, parse_size
 from tokenq.engine.config import EngineConfig
 from tokenq.protocol import MODEL_RE
@@ -129,10 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     option(demo, "--max-tokens", type=int, default=48, help="tokens per answer")
     demo.set_defaults(run=run_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine, queue, gateway, fleet, batch, ...")
-    bench.add_argument(
-        "target", choices=("engine", "queue", "gateway", "fleet", "batch", "kernels")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: " + ", ".join(BENCH_TARGETS),
+        description="\n".join(f"{name}: {what}" for name, what in BENCH_TARGETS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    bench.add_argument("target", choices=BENCH_TARGETS, help="--help after it: its options")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     bench.set_defaults(run=run_bench)
     return parser
@@ -198,32 +203,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if args.target == "engine":
-        from tokenq.bench.engine import main as bench_engine
-
-        bench_engine(args.args)
-    elif args.target == "kernels":
-        from tokenq.bench.kernels import main as bench_kernels
-        from tokenq.engine.downloads import build_dir
-
-        return bench_kernels(args.args, build_dir())
-    elif args.target == "batch":
-        from tokenq.bench.batch import main as bench_batch
-
-        bench_batch(args.args)
-    elif args.target == "fleet":
-        from tokenq.bench.fleet import main as bench_fleet
-
-        bench_fleet(args.args)
-    elif args.target == "gateway":
-        from tokenq.bench.gateway import main as bench_gateway
-
-        bench_gateway(args.args)
-    else:
-        from tokenq.bench.queue import main as bench_queue
-
-        bench_queue(args.args)
-    return 0
+    return bench_main(args.target, args.args)
 
 
 if __name__ == "__main__":
