@@ -323,6 +323,7 @@ def test_config_round_trips_through_hf_dict() -> None:
         vocab_size=10, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_scaling={"type": "linear", "factor": 2.0},
         attention_bias=True, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2, 3],
+        model_type="qwen2",
     )  # fmt: skip
     assert ModelConfig.from_hf_config(config.to_hf_config()) == config
 
@@ -347,15 +348,17 @@ def test_unsupported_configs_fail_clearly(change: dict, message: str) -> None:
         ModelConfig.from_hf_config({**base, **change})
 
 
-def test_mistral_sliding_window_caps_context() -> None:
+def test_mistral_sliding_window_slides_every_layer() -> None:
     config = ModelConfig.from_hf_config(
         {
             "model_type": "mistral", "vocab_size": 10, "hidden_size": 32,
-            "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "max_position_embeddings": 32768, "sliding_window": 4096,
         }
     )  # fmt: skip
-    assert config.max_position_embeddings == 4096
+    assert config.max_position_embeddings == 32768
+    assert [config.layer_window(i) for i in range(2)] == [4096, 4096]
+    assert config.kv_window == 4096
 
 
 # --- default-model fetch ----------------------------------------------------------------------
