@@ -206,7 +206,11 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
             model_type=model_type,
-            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
+            hidden_act=(
+                cfg.get("hidden_activation")
+                or cfg.get("hidden_act")
+                or ("gelu_pytorch_tanh" if family.gemma else "silu")
+            ),
             partial_rotary_factor=rope.partial_rotary_factor,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if family.gemma else None,
             sliding_window=window,
