@@ -65,7 +65,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(folder: Path, out: Path) -> Path:
+def write_gguf(folder: Path, out: Path, *, tokenizer: bool = True) -> Path:
+    """``folder``'s model as ``out``; without its ``tokenizer`` (transformers' GGUF reader
+    takes seconds over a vocabulary's metadata), for readers of the weights alone."""
     import gguf
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -111,7 +113,8 @@ def write_gguf(folder: Path, out: Path) -> Path:
         u32("rope.scaling.original_context_length", original)
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
-    _copy_tokenizer(writer)
+    if tokenizer:
+        _copy_tokenizer(writer)
 
     stacked: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, w in state.items():

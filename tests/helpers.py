@@ -47,6 +47,15 @@ def default_model_path() -> Path:
     return ensure_model(DEFAULT_MODEL)
 
 
+GEMMA3_270M = "gemma3-270m"
+
+
+def gemma3_270m_path() -> Path:
+    """The real Gemma 3 270M's GGUF (downloaded on first use, like `make model
+    MODEL=gemma3-270m`)."""
+    return ensure_model(GEMMA3_270M)
+
+
 @lru_cache(maxsize=1)
 def default_tokenizer() -> Tokenizer:
     return load_tokenizer(default_model_path())

