@@ -113,8 +113,9 @@ class CausalLM:
                 return (weights[name].float() + 1.0).to(device=device, dtype=dtype)
             return w(name)
 
-        act_mul = self.ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else None
-        act_mul = act_mul or self.ops.silu_mul
+        act_mul = (
+            self.ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else self.ops.silu_mul
+        )
         self.embed = w("model.embed_tokens.weight")
         # Gemma scales the embeddings by sqrt(hidden), rounded to the model's dtype.
         self.embed_scale = (
