@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# `make model MODEL=gemma3-270m` fetches another known model (engine/downloads.py).
+MODEL ?= smollm2-135m
+
 model: $(STAMP)
-	$(BIN)/python -m tokenq.engine.downloads fetch
+	$(BIN)/python -m tokenq.engine.downloads fetch $(MODEL)
 
 demo: model
 	$(BIN)/tokenq demo

@@ -87,12 +87,18 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> torch.Tensor:
+        """Causal attention, within the last ``window`` keys of each query when positive."""
         args = (q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale)
         if self._triton is not None:
             return self._triton[1](
-                *args, out=out, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len
+                *args,
+                out=out,
+                max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len,
+                window=window,
             )
         if self.name == "cpu":
-            return cpu_ops.paged_attention_cpu(*args, out=out)
-        return paged_attention_torch(*args, out=out, plan=meta.plan)
+            return cpu_ops.paged_attention_cpu(*args, out=out, window=window)
+        return paged_attention_torch(*args, out=out, plan=meta.plan, window=window)

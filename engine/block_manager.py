@@ -12,6 +12,10 @@ request with the same prefix picks the block back up and skips that part of its 
 The digest is cryptographic because requests of different users share the cache: with a
 hash anyone can collide on purpose (Python's ``hash`` of a tuple of ints), a crafted prompt
 would be served the KV cache of another user's prefix: wrong output, and a leak.
+
+Sliding-window models: once every layer's window has moved past a block, the block goes back
+to the pool and its table entry becomes ``FREED`` (tables stay indexed by position). The
+freed entries are always a prefix of the table.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tokenq.engine.sequence import Sequence
+
+# A block table entry whose block was given back: every layer has left it behind.
+FREED = -1
 
 
 @dataclass
@@ -145,8 +152,22 @@ class BlockManager:
         """Release a request's blocks; the last-freed are reused last, keeping the deepest
         prefix blocks cached the longest."""
         for block_id in reversed(seq.block_table):
-            self._unref(block_id)
+            if block_id != FREED:
+                self._unref(block_id)
         seq.block_table = []
+
+    def free_left_behind(self, seq: Sequence, oldest_needed: int) -> None:
+        """Release the blocks of ``seq`` that lie wholly before token ``oldest_needed`` (the
+        oldest key any layer will read again), but for its last full block, whose digest
+        the next full block's names as its parent. Walks back from the newest such block to
+        the first one already freed, so each step touches only what it frees."""
+        bs = self.block_size
+        table = seq.block_table
+        i = min(oldest_needed // bs, seq.num_computed_tokens // bs - 1) - 1
+        while i >= 0 and table[i] != FREED:
+            self._unref(table[i])
+            table[i] = FREED
+            i -= 1
 
     def commit_full_blocks(self, seq: Sequence, prev_computed: int) -> None:
         """Name the blocks that became full of computed tokens in the last step."""

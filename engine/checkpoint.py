@@ -1,7 +1,8 @@
 """What a model's files hold, whatever their format: one ``Checkpoint``.
 
-Every format ends up with Hugging Face Llama parameter names and HF's rotate-half Q/K layout,
-so the model code has a single weight format to deal with (names in docs/design.md).
+Every format ends up with Hugging Face parameter names (experts stacked per layer) and HF's
+rotate-half Q/K layout, so the model code has a single weight format per family to deal with
+(names in docs/design.md).
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ class Checkpoint:
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint for `config` must have, with its shape."""
-    h, q, kv = config.hidden_size, config.q_size, config.kv_size
+    """Every tensor a checkpoint for `config` must have, with its shape: Hugging Face's
+    names, with a mixture of experts' weights stacked per layer as transformers 5 holds
+    them (`mlp.experts.gate_up_proj` ``[experts, 2 * inter, hidden]``, gate rows first)."""
+    h, q, kv, d = config.hidden_size, config.q_size, config.kv_size, config.head_dim
+    family = config.family
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, h),
         "model.norm.weight": (h,),
@@ -52,19 +56,38 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        a, m = p + "self_attn.", p + "mlp."
+        if family.fused:
+            shapes[a + "qkv_proj.weight"] = (q + 2 * kv, h)
+        else:
+            shapes[a + "q_proj.weight"] = (q, h)
+            shapes[a + "k_proj.weight"] = (kv, h)
+            shapes[a + "v_proj.weight"] = (kv, h)
+        shapes[a + "o_proj.weight"] = (h, q)
         if config.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv,)
-        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
+            shapes[a + "q_proj.bias"] = (q,)
+            shapes[a + "k_proj.bias"] = (kv,)
+            shapes[a + "v_proj.bias"] = (kv,)
+        if family.qk_norm:
+            shapes[a + "q_norm.weight"] = (d,)
+            shapes[a + "k_norm.weight"] = (d,)
+        if config.is_moe_layer(i):
+            e, inter = config.num_experts, config.moe_intermediate_size
+            shapes[m + "gate.weight"] = (e, h)
+            shapes[m + "experts.gate_up_proj"] = (e, 2 * inter, h)
+            shapes[m + "experts.down_proj"] = (e, h, inter)
+        elif family.fused:
+            shapes[m + "gate_up_proj.weight"] = (2 * config.intermediate_size, h)
+            shapes[m + "down_proj.weight"] = (h, config.intermediate_size)
+        else:
+            shapes[m + "gate_proj.weight"] = (config.intermediate_size, h)
+            shapes[m + "up_proj.weight"] = (config.intermediate_size, h)
+            shapes[m + "down_proj.weight"] = (h, config.intermediate_size)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if family.gemma:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
     return shapes
 
 

@@ -1,9 +1,10 @@
 """A GGUF file (llama.cpp's format): config, weights, tokenizer and end-of-generation ids, all
 from one parse of the file.
 
-Tensors are dequantized on load: the engine computes in ``dtype``, it does not run quantized
-kernels. llama.cpp's converter permutes Llama's Q/K rows for its interleaved rope; loading
-undoes that, giving HF's layout.
+Tensors are dequantized on load (K-quants included): the engine computes in ``dtype``, it
+does not run quantized kernels. Names and layouts become Hugging Face's: llama.cpp's converter
+permutes Llama's Q/K rows for its interleaved rope and stores Gemma's norm weights plus one;
+loading undoes both, and stacks each layer's experts as a folder's are stacked.
 """
 
 from __future__ import annotations
@@ -20,14 +21,29 @@ import numpy as np
 import torch
 
 from tokenq.engine.checkpoint import Checkpoint, merge_ids
-from tokenq.engine.config import ModelConfig
+from tokenq.engine.config import FULL, SLIDING, ModelConfig
 from tokenq.engine.tokenizer import Tokenizer
 
 GGUF_SUFFIX = ".gguf"
 
-# GGUF architectures we load, and whether llama.cpp's converter permuted their Q/K rows for its
-# interleaved ("normal") rope. Qwen2 uses NeoX-style rope in llama.cpp, which is HF's layout.
-_GGUF_ARCHS: dict[str, bool] = {"llama": True, "qwen2": False}
+
+@dataclass(frozen=True)
+class _Arch:
+    model_type: str  # the family (config.FAMILIES)
+    # llama.cpp's converter permuted Q/K rows for its interleaved ("normal") rope; the others
+    # use NeoX-style rope in llama.cpp, which is HF's layout
+    permuted: bool = False
+
+
+# GGUF architectures we load. Mixtral is llama.cpp's "llama" with experts.
+_GGUF_ARCHS: dict[str, _Arch] = {
+    "llama": _Arch("llama", permuted=True),
+    "qwen2": _Arch("qwen2"),
+    "qwen3": _Arch("qwen3"),
+    "qwen3moe": _Arch("qwen3_moe"),
+    "gemma3": _Arch("gemma3_text"),
+    "phi3": _Arch("phi3"),
+}
 
 _GGUF_TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
@@ -38,14 +54,35 @@ _GGUF_PER_LAYER = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Where an architecture names a tensor otherwise: Gemma 3's ffn_norm is its norm before the
+# MLP (its post_attention_norm normalises the attention's output); Phi-3's ffn_up holds gate
+# and up rows, as its gate_up_proj does.
+_GGUF_PER_LAYER_BY_ARCH = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
 }
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# The experts of a layer, stacked (ffn_gate_exps) or one by one (older Mixtral files).
+_GGUF_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_GGUF_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
+# Phi-3's longrope factors travel as tensors; they belong in the config.
+_GGUF_ROPE_FACTORS = {
+    "rope_factors_short.weight": "short_factor",
+    "rope_factors_long.weight": "long_factor",
+}
 
 
 # GGUF value types (gguf.GGUFValueType) -> struct format of a scalar.
@@ -193,24 +230,75 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     import gguf
 
     file = read_gguf(path)
-    eos_token_ids = gguf_eos_token_ids(file.metadata)
-    config = _gguf_config(file.metadata, {t.name for t in file.tensors}, eos_token_ids)
-    permuted = _GGUF_ARCHS[file.metadata["general.architecture"]]
+    meta = file.metadata
+    arch_name = meta.get("general.architecture")
+    if arch_name not in _GGUF_ARCHS:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch_name!r} (supported: {sorted(_GGUF_ARCHS)})"
+        )
+    arch = _GGUF_ARCHS[arch_name]
+
+    def array_of(tensor: GGUFTensor) -> np.ndarray:
+        return gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.qtype))
+
+    rope_factors = {
+        _GGUF_ROPE_FACTORS[t.name]: array_of(t).astype(np.float64).tolist()
+        for t in file.tensors
+        if t.name in _GGUF_ROPE_FACTORS
+    }
+    eos_token_ids = gguf_eos_token_ids(meta)
+    config = _gguf_config(meta, {t.name for t in file.tensors}, eos_token_ids, rope_factors)
 
     weights: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for tensor in file.tensors:
-        name = _hf_name(tensor.name)
-        array = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.qtype))
-        if permuted and ".self_attn.q_proj." in name:
+        if tensor.name in _GGUF_ROPE_FACTORS:
+            continue
+        array = array_of(tensor)
+        if match := _GGUF_EXPERTS_RE.fullmatch(tensor.name):
+            layer, part = match.groups()
+            experts[(int(layer), part)] = dict(enumerate(array))
+            continue
+        if match := _GGUF_EXPERT_RE.fullmatch(tensor.name):
+            layer, part, expert = match.groups()
+            experts.setdefault((int(layer), part), {})[int(expert)] = array
+            continue
+        name = _hf_name(tensor.name, arch_name)
+        if arch.permuted and ".self_attn.q_proj." in name:
             array = _unpermute_rope_rows(array, config.num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
+        elif arch.permuted and ".self_attn.k_proj." in name:
             array = _unpermute_rope_rows(array, config.num_kv_heads)
+        if arch_name == "gemma3" and name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's norm weights plus one (its RMSNorm is
+            # Llama's); HF's weights are what the model adds one to
+            array = array - 1
         if not array.flags.writeable:
             # Unquantized tensors come back as views of the read-only file mapping.
             array = array.copy()
         weights[name] = torch.from_numpy(array).to(dtype)
-    tokenizer = Tokenizer.from_gguf_metadata(file.metadata, eos_token_ids)
+    weights |= _stacked_experts(experts, dtype)
+    tokenizer = Tokenizer.from_gguf_metadata(meta, eos_token_ids)
     return Checkpoint(path, config, weights, tokenizer)
+
+
+def _stacked_experts(
+    experts: dict[tuple[int, str], dict[int, np.ndarray]], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Each layer's experts as ``mlp.experts.gate_up_proj`` (gate rows, then up rows) and
+    ``mlp.experts.down_proj`` (``checkpoint.expected_weight_shapes``)."""
+
+    def stacked(layer: int, part: str) -> torch.Tensor:
+        by_expert = experts.get((layer, part), {})
+        if not by_expert or sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"GGUF layer {layer}: ffn_{part} experts {sorted(by_expert)}")
+        return torch.from_numpy(np.stack([by_expert[e] for e in range(len(by_expert))])).to(dtype)
+
+    out = {}
+    for layer in sorted({layer for layer, _ in experts}):
+        p = f"model.layers.{layer}.mlp.experts."
+        out[p + "gate_up_proj"] = torch.cat([stacked(layer, "gate"), stacked(layer, "up")], dim=1)
+        out[p + "down_proj"] = stacked(layer, "down")
+    return out
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
@@ -220,13 +308,15 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
 
 
 def _gguf_config(
-    meta: dict[str, Any], tensor_names: set[str], eos_token_ids: list[int]
+    meta: dict[str, Any],
+    tensor_names: set[str],
+    eos_token_ids: list[int],
+    rope_factors: dict[str, list[float]],
 ) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r} (supported: {sorted(_GGUF_ARCHS)})"
-        )
+    """The file's metadata in config.json's spelling, read as a folder's config is (so
+    each family's defaults are applied once), with the choices llama.cpp makes where the
+    metadata is silent."""
+    arch = meta["general.architecture"]
     if "rope_freqs.weight" in tensor_names:
         raise ValueError(
             "this GGUF carries per-dimension rope frequency factors (rope_freqs, Llama 3.1-style "
@@ -238,28 +328,64 @@ def _gguf_config(
 
     hidden = get("embedding_length")
     num_heads = get("attention.head_count")
+    head_dim = get("attention.key_length", hidden // num_heads)
+    num_layers = get("block_count")
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab_size = len(tokens) if tokens else get("vocab_size")
-    return ModelConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
-        num_layers=get("block_count"),
-        num_heads=num_heads,
-        num_kv_heads=get("attention.head_count_kv", num_heads),
-        head_dim=get("attention.key_length", hidden // num_heads),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(get),
-        max_position_embeddings=get("context_length", 2048),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_token_ids,
-    )
+    model_type = _GGUF_ARCHS[arch].model_type
+    if arch == "llama" and get("expert_count"):
+        model_type = "mixtral"
+    elif arch == "llama" and "blk.0.attn_q.bias" in tensor_names:
+        model_type = "qwen2"  # a Llama with q/k/v biases is what tokenq runs as Qwen2
+    cfg: dict[str, Any] = {
+        "model_type": model_type,
+        "vocab_size": len(tokens) if tokens else get("vocab_size"),
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": get("attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rope_scaling": _gguf_rope_scaling(get, rope_factors),
+        "max_position_embeddings": get("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_token_ids,
+        "partial_rotary_factor": get("rope.dimension_count", head_dim) / head_dim,
+    }
+    window = get("attention.sliding_window")
+    if window:
+        cfg["sliding_window"] = window
+        cfg["use_sliding_window"] = True
+    if get("expert_count"):
+        cfg["num_experts"] = get("expert_count")
+        cfg["num_experts_per_tok"] = get("expert_used_count")
+        cfg["moe_intermediate_size"] = get("expert_feed_forward_length", cfg["intermediate_size"])
+        cfg["norm_topk_prob"] = True  # llama.cpp renormalises Qwen3-MoE's top-k
+        if cfg["intermediate_size"] is None:
+            cfg["intermediate_size"] = cfg["moe_intermediate_size"]
+    if arch == "gemma3":
+        # llama.cpp's choices: every sixth layer global, the local ones on base 10000, queries
+        # scaled by head_dim (by hidden / heads for the 62-layer 27B)
+        pattern = get("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # one flag per layer, true where it slides
+            cfg["layer_types"] = [SLIDING if p else FULL for p in pattern]
+        else:
+            cfg["sliding_window_pattern"] = pattern
+        cfg["rope_local_base_freq"] = 10000.0
+        cfg["query_pre_attn_scalar"] = hidden // num_heads if num_layers == 62 else head_dim
+    return ModelConfig.from_hf_config(cfg)
 
 
-def _gguf_rope_scaling(get: Any) -> dict[str, Any] | None:
+def _gguf_rope_scaling(get: Any, rope_factors: dict[str, list[float]]) -> dict[str, Any] | None:
+    if rope_factors:  # Phi-3's longrope
+        return {
+            "rope_type": "longrope",
+            **rope_factors,
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "attention_factor": get("rope.scaling.attn_factor"),
+        }
     kind = get("rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -268,15 +394,16 @@ def _gguf_rope_scaling(get: Any) -> dict[str, Any] | None:
     return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GGUF_TOP_LEVEL and suffix == "weight":
         return f"{_GGUF_TOP_LEVEL[base]}.weight"
     match = _GGUF_LAYER_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _GGUF_PER_LAYER:
+    names = _GGUF_PER_LAYER | _GGUF_PER_LAYER_BY_ARCH.get(arch, {})
+    if match and match.group(2) in names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_GGUF_PER_LAYER[part]}.{kind}"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a Llama-family model")
+        return f"model.layers.{layer}.{names[part]}.{kind}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a {arch} model")
 
 
 def _unpermute_rope_rows(array: np.ndarray, num_heads: int) -> np.ndarray:

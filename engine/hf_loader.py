@@ -15,6 +15,14 @@ from tokenq.engine.tokenizer import Tokenizer
 
 # Names some safetensors checkpoints carry that are derived state, not parameters.
 _IGNORED_HF_KEY_RE = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# One expert's matrix, as Qwen3-MoE (mlp, gate/up/down_proj) and Mixtral (block_sparse_moe,
+# w1/w3/w2) checkpoints write them; and Mixtral's router.
+_EXPERT_RE = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+)
+_MIXTRAL_ROUTER_RE = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight")
+_EXPERT_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
@@ -40,8 +48,40 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     if config.tie_word_embeddings:
         # Some exporters write the tied head out anyway; it is the embedding, by definition.
         weights.pop("lm_head.weight", None)
+    if config.family.moe:
+        weights = stack_experts(weights)
     tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
     return Checkpoint(folder, config, weights, tokenizer)
+
+
+def stack_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert matrices stacked into each layer's ``mlp.experts.gate_up_proj``
+    ``[experts, 2 * inter, hidden]`` and ``mlp.experts.down_proj``, the router named
+    ``mlp.gate.weight``: the checkpoint's layout (``checkpoint.expected_weight_shapes``).
+    Checkpoints already stacked pass through."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in weights.items():
+        if match := _EXPERT_RE.fullmatch(name):
+            layer, expert, part = match.groups()
+            parts.setdefault((int(layer), _EXPERT_PART.get(part, part)), {})[int(expert)] = tensor
+        elif match := _MIXTRAL_ROUTER_RE.fullmatch(name):
+            out[f"model.layers.{match.group(1)}.mlp.gate.weight"] = tensor
+        else:
+            out[name] = tensor
+
+    def stacked(layer: int, part: str) -> torch.Tensor:
+        experts = parts.pop((layer, part), {})
+        if not experts or sorted(experts) != list(range(len(experts))):
+            raise ValueError(f"layer {layer} {part}: experts {sorted(experts)} are not 0..n-1")
+        return torch.stack([experts[e] for e in range(len(experts))])
+
+    for layer in sorted({layer for layer, _ in parts}):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate, up = stacked(layer, "gate_proj"), stacked(layer, "up_proj")
+        out[p + "gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out[p + "down_proj"] = stacked(layer, "down_proj")
+    return out
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

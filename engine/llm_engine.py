@@ -66,6 +66,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
+            self.model_config.kv_window,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.prompts = Prompts(self.tokenizer, self.model_config.vocab_size, self.max_model_len)

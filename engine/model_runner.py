@@ -14,7 +14,7 @@ import torch
 from tokenq.engine.attention import AttentionBackend, AttentionMetadata
 from tokenq.engine.checkpoint import Checkpoint
 from tokenq.engine.config import EngineConfig
-from tokenq.engine.model import Join, LlamaModel, ModelInputs
+from tokenq.engine.model import CausalLM, Join, ModelInputs
 from tokenq.engine.sampler import SampleResult, sample
 from tokenq.engine.scheduler import ScheduledSeq
 from tokenq.engine.sequence import Sequence
@@ -34,7 +34,8 @@ class ModelRunner:
 
         The pool gets ``num_kv_blocks`` blocks, else as many as ``kv_cache_bytes`` holds; a
         request's context is capped by what the pool holds, since a request must always fit
-        in the pool alone, or preemption could never help it.
+        in the pool alone, or preemption could never help it (for a model whose every layer
+        slides, what it holds at once: its window and a chunk).
         """
         mc = checkpoint.config
         self.device = device
@@ -44,16 +45,21 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_bytes(device) // bytes_per_block
         )
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, self.num_blocks * bs
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        # A model whose every layer slides holds at most its window, the last full block
+        # and a step's chunk, however long the request: a pool that holds that caps nothing.
+        window_blocks = (
+            -(-(mc.kv_window + config.max_num_batched_tokens) // bs) + 2 if mc.kv_window else None
         )
+        if window_blocks is None or self.num_blocks < window_blocks:
+            self.max_model_len = min(self.max_model_len, self.num_blocks * bs)
         self.kv_cache = torch.zeros(
             (mc.num_layers, 2, self.num_blocks, bs, mc.num_kv_heads, mc.head_dim),
             dtype=dtype,
             device=device,
         )
         self.backend = AttentionBackend(config.attention_backend, device, dtype)
-        self.model = LlamaModel(
+        self.model = CausalLM(
             mc,
             checkpoint.weights,
             device=device,
@@ -62,6 +68,7 @@ class ModelRunner:
             backend=self.backend,
         )
         self.eos_token_ids = checkpoint.eos_token_ids
+        self.frees_blocks = mc.kv_window is not None  # the scheduler frees left-behind blocks
         # Greedy rows' argmax over the vocabulary: torch's took 3.3 ms a decode step of 64
         # rows on the CPU (a quarter of a tiny model's step), the C kernel 0.6 ms.
         self.argmax = cpu_ops.argmax_rows_cpu if self.backend.name == "cpu" else argmax_rows_torch
@@ -76,7 +83,7 @@ class ModelRunner:
         request that reaches the end of its known tokens (``ScheduledSeq.samples``), in
         batch order; a request whose own sampling fails gets its exception instead.
 
-        ``between_layers``: see ``LlamaModel.forward``. After each call, ``join`` gives the
+        ``between_layers``: see ``CausalLM.forward``. After each call, ``join`` gives the
         requests (if any) that join the pass there: they are appended to ``scheduled``, so
         that the caller books them with the rest."""
         inputs = self._inputs(scheduled)
@@ -136,6 +143,8 @@ class ModelRunner:
         tables = [
             s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled
         ]
+        if self.frees_blocks:  # freed entries (attention never reads them) name block 0
+            tables = [[max(b, 0) for b in table] for table in tables]
         dev = self.device
 
         def t(x: list, dtype: torch.dtype) -> torch.Tensor:

@@ -66,7 +66,7 @@ from itertools import groupby
 from operator import attrgetter
 from typing import Literal
 
-from tokenq.engine.block_manager import BlockManager
+from tokenq.engine.block_manager import FREED, BlockManager
 from tokenq.engine.sequence import RequestState, Sequence
 
 PreemptCause = Literal["kv_cache", "priority"]
@@ -104,9 +104,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int | None = None,
+        kv_window: int | None = None,
     ) -> None:
-        """``max_model_len`` (tokens a request may reach) defaults to what the pool holds."""
+        """``max_model_len`` (tokens a request may reach) defaults to what the pool holds.
+        ``kv_window``: the widest sliding window of a model whose every layer has one; the
+        blocks before it are given back after each step (None: every block is kept)."""
         self.block_manager = block_manager
+        self.kv_window = kv_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len or block_manager.num_blocks * block_manager.block_size
@@ -156,6 +160,8 @@ class Scheduler:
             row = by_priority.setdefault(priority, [0, 0, 0, 0])
             row[0] += len(seqs)
             row[1] += sum(map(len, map(_block_table, seqs)))
+            if self.kv_window:
+                row[1] -= sum(s.block_table.count(FREED) for s in seqs)
         bm = self.block_manager
         for _, seq in self.waiting:
             row = by_priority.setdefault(seq.priority, [0, 0, 0, 0])
@@ -320,14 +326,19 @@ class Scheduler:
             if victim is None or victim.priority <= seq.priority:
                 return None
             victims.append(victim)
-            released.update(victim.block_table)
+            released.update(b for b in victim.block_table if b != FREED)
         return victims
 
     def commit(self, scheduled: list[ScheduledSeq]) -> None:
         """Book a forward pass that ran: the tokens it fed have their K/V in the cache, and
         blocks it filled are named for the prefix cache. Only after this does a request
-        count them computed, so a pass that raised leaves every request as it was."""
+        count them computed, so a pass that raised leaves every request as it was. With a
+        ``kv_window``, the blocks no layer will read again go back to the pool."""
         for s in scheduled:
             prev = s.seq.num_computed_tokens
             s.seq.num_computed_tokens = s.start + s.num_tokens
             self.block_manager.commit_full_blocks(s.seq, prev)
+            if self.kv_window:
+                # the next token, at num_computed_tokens, sees kv_window keys, its own included
+                oldest = s.seq.num_computed_tokens - self.kv_window + 1
+                self.block_manager.free_left_behind(s.seq, oldest)

@@ -22,7 +22,15 @@ import jinja2.ext
 import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -218,21 +226,21 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], eos_token_ids: Sequence[int]) -> Tokenizer:
+        """Byte-level BPE (``tokenizer.ggml.model`` gpt2) or SentencePiece BPE (llama)."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2') is "
-                "supported; use a folder with tokenizer.json for other vocabularies"
-            )
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        if kind == "gpt2":
+            backend = _byte_level_backend(meta, tokens)
+        elif kind == "llama":
+            tokens, backend = _sentencepiece_backend(meta, tokens)
+            # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+            meta = {"tokenizer.ggml.add_bos_token": True, **meta}
+        else:
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {kind!r}: byte-level BPE ('gpt2') and "
+                "SentencePiece BPE ('llama') are; use a folder with tokenizer.json for others"
+            )
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        vocab: dict[str, int] = {}
-        for index, text in enumerate(tokens):
-            vocab.setdefault(text, index)
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-        backend.decoder = decoders.ByteLevel()
         # Control tokens (<|im_start|> ...) are special: matched whole in text, skipped when
         # decoding with skip_special_tokens. User-defined ones are matched whole but kept.
         backend.add_special_tokens(
@@ -242,11 +250,12 @@ class Tokenizer:
                 if kind == _TOKEN_CONTROL
             ]
         )
+        vocab = backend.get_vocab()
         backend.add_tokens(
             [
                 AddedToken(tokens[i], special=False, normalized=False)
                 for i, kind in enumerate(types)
-                if kind == _TOKEN_USER_DEFINED
+                if kind == _TOKEN_USER_DEFINED and vocab.get(tokens[i]) == i
             ]
         )
 
@@ -272,6 +281,71 @@ class Tokenizer:
             chat_template=meta.get("tokenizer.chat_template"),
             special_tokens=special,
         )
+
+
+def _byte_level_backend(meta: dict[str, Any], tokens: list[str]) -> tokenizers.Tokenizer:
+    vocab: dict[str, int] = {}
+    for index, text in enumerate(tokens):
+        vocab.setdefault(text, index)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _sentencepiece_backend(
+    meta: dict[str, Any], tokens: list[str]
+) -> tuple[list[str], tokenizers.Tokenizer]:
+    """A SentencePiece BPE vocabulary (the tokens and their scores, no merges) as a
+    `tokenizers` BPE with byte fallback, the way transformers reads the same file: merges
+    are every split of a token into two tokens, the better-scored token's first. Gemma's
+    scores do not follow its merge order, its tokens' order in the file does; and its
+    whitespace-only tokens are stored as spaces where its pieces spell them with the
+    visible space. Returns the tokens as the vocabulary spells them, and the backend."""
+    gemma = str(meta.get("general.architecture", "")).startswith("gemma")
+    if gemma:
+        tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
+    else:
+        scores = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
+    vocab: dict[str, int] = {}
+    for index, text in enumerate(tokens):
+        vocab.setdefault(text, index)
+    merges: list[tuple[str, str, float]] = []
+    for text, score in zip(tokens, scores, strict=True):
+        pairs = [
+            (text[:i], text[i:], score)
+            for i in range(1, len(text))
+            if text[:i] in vocab and text[i:] in vocab
+        ]
+        merges += sorted(pairs, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(a, b) for a, b, _ in merges],
+            unk_token=tokens[unk_id] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    decode = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:  # no space prefix: spaces become the visible space, nothing more
+        backend.normalizer = normalizers.Replace(" ", _SPACE)
+    else:
+        prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=_SPACE, prepend_scheme="first" if prefix else "never", split=False
+        )
+        if prefix:
+            decode.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(decode)
+    return tokens, backend
 
 
 def _bos_eos_post_processor(

@@ -52,10 +52,12 @@ MAX_HEAD_DIM = 256
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "paged_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr] + [_i64] * 6 + [_f32],
+    "paged_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr] + [_i64] * 6 + [_f32, _i64],
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_mul": [_ptr, _ptr, _i64, _i64],
-    "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "gelu_tanh_mul": [_ptr, _ptr, _i64, _i64],
+    "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+    "rms_norm_heads": [_ptr, _i64, _i64, _i64, _i64, _ptr, _f32],
     "argmax_rows": [_ptr, _i64, _i64, _i64, _ptr],
 }
 # The suffix of each dtype's kernels in the library.
@@ -146,8 +148,9 @@ def paged_attention_cpu(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> torch.Tensor:
-    """``paged_attention_torch``'s result, written into ``out``.
+    """``paged_attention_torch``'s result (``window`` included), written into ``out``.
 
     ``q`` may be a row-strided view (the query heads of a fused QKV row) as long as each
     row's heads are contiguous.
@@ -180,6 +183,7 @@ def paged_attention_cpu(
         head_dim,
         block_size,
         scale,
+        window,
     )
     return out
 
@@ -218,6 +222,40 @@ def silu_mul_cpu(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_mul_cpu(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = gelu_tanh(gate) * up`` for rows ``[gate | up]`` of ``gate_up``."""
+    rows, dim = out.shape
+    if gate_up.shape != (rows, 2 * dim):
+        raise ValueError(f"gate_up must be [{rows}, {2 * dim}], got {list(gate_up.shape)}")
+    dt = gate_up.dtype
+    _kernel("gelu_tanh_mul", dt)(
+        _contiguous(gate_up, "gate_up", dt), _contiguous(out, "out", dt), rows, dim
+    )
+    return out
+
+
+def rms_norm_heads_cpu(
+    x: torch.Tensor, num_heads: int, head_dim: int, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RMS-normalise the first ``num_heads`` heads of each row of ``x`` in place (rows may be
+    strided, e.g. the key heads of a fused QKV row)."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < num_heads * head_dim:
+        raise ValueError("x must be [rows, >= num_heads * head_dim] with contiguous rows")
+    if weight.shape != (head_dim,):
+        raise ValueError(f"weight must be [{head_dim}], got {list(weight.shape)}")
+    dt = x.dtype
+    _kernel("rms_norm_heads", dt)(
+        _ptr_of(x, "x", dt),
+        x.stride(0),
+        x.shape[0],
+        num_heads,
+        head_dim,
+        _contiguous(weight, "weight", dt),
+        eps,
+    )
+    return x
+
+
 def rope_cpu(
     x: torch.Tensor,
     num_heads: int,
@@ -226,12 +264,16 @@ def rope_cpu(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> torch.Tensor:
-    """Rotate the first ``num_heads`` heads of each row of ``x`` in place (rotate-half).
+    """Rotate the first ``num_heads`` heads of each row of ``x`` in place (rotate-half), on
+    each head's first ``cos.shape[1]`` dimensions (the rotary dimension).
 
     Positions must lie inside the tables: the engine bounds them by ``max_model_len``.
     """
     if x.stride(1) != 1 or x.shape[1] < num_heads * head_dim:
         raise ValueError("x must be [rows, >= num_heads * head_dim] with contiguous rows")
+    rotary_dim = cos.shape[1]
+    if rotary_dim > head_dim or rotary_dim % 2 or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be [positions, even <= {head_dim}]")
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         raise ValueError("positions must be contiguous int64")
     dt = x.dtype
@@ -244,6 +286,7 @@ def rope_cpu(
         x.shape[0],
         num_heads,
         head_dim,
+        rotary_dim,
     )
     return x
 

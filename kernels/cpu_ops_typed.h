@@ -136,12 +136,15 @@ static inline void NAME(chunk_rows)(const int32_t *table, int64_t start, int64_t
  * token reads every key before it, and one token per item streamed a long prompt's K/V
  * through the caches once per token. Measured here about twice as fast as SDPA on prefill
  * chunks, gathers included, so one kernel serves the whole batch.
+ *
+ * With `window` > 0 a token at position p sees only keys p - window < k <= p: the tile walks
+ * from its first token's oldest visible key, never reading the blocks before it.
  */
 void NAME(paged_attention)(
     const T *q, int64_t q_stride, T *out, const T *k_cache, const T *v_cache,
     const int32_t *cu_seqlens_q, const int32_t *seq_lens, const int32_t *block_tables,
     int64_t max_blocks, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale)
+    int64_t head_dim, int64_t block_size, float scale, int64_t window)
 {
     /* Tiles: (sequence, first token), in token order. */
     int64_t num_tiles = 0;
@@ -174,6 +177,8 @@ void NAME(paged_attention)(
             /* keys visible to the tile's first token; token j sees j more */
             const int64_t vis0 = seq_lens[s] - qlen + (tok0 - q0) + 1;
             const int64_t vis_last = vis0 + ntok - 1;
+            /* the oldest key the first token sees; token j's is j later */
+            const int64_t lo0 = window > 0 && vis0 > window ? vis0 - window : 0;
             const int32_t *table = block_tables + (int64_t)s * max_blocks;
 
             float m[QTILE * MAX_GROUP], l[QTILE * MAX_GROUP], sc[CHUNK];
@@ -193,23 +198,27 @@ void NAME(paged_attention)(
                 }
             const T *k_head = k_cache + kh * head_dim, *v_head = v_cache + kh * head_dim;
             const int prefetch = qlen == 1;
-            NAME(chunk_rows)(table, 0, vis_last, block_size, row, head_dim, k_head, v_head,
+            NAME(chunk_rows)(table, lo0, vis_last, block_size, row, head_dim, k_head, v_head,
                              kp[0], vp[0], prefetch);
-            for (int64_t start = 0, i = 0; start < vis_last; start += CHUNK, i ^= 1) {
+            for (int64_t start = lo0, i = 0; start < vis_last; start += CHUNK, i ^= 1) {
                 const int64_t chunk_len = vis_last - start < CHUNK ? vis_last - start : CHUNK;
                 if (start + CHUNK < vis_last)
                     NAME(chunk_rows)(table, start + CHUNK, vis_last, block_size, row, head_dim,
                                      k_head, v_head, kp[i ^ 1], vp[i ^ 1], prefetch);
                 for (int64_t j = 0; j < ntok; j++) {
                     const int64_t vis = vis0 + j;
-                    if (start >= vis)
+                    /* this token's keys in the chunk: [start + skip, start + skip + len) */
+                    const int64_t lo = window > 0 && vis > window ? vis - window : 0;
+                    const int64_t skip = lo > start ? lo - start : 0;
+                    if (start >= vis || skip >= CHUNK)
                         continue;
-                    const int64_t len = vis - start < CHUNK ? vis - start : CHUNK;
+                    const int64_t end = vis - start < CHUNK ? vis - start : CHUNK;
+                    const int64_t len = end - skip;
                     const T *const *kk = kp[i], *const *vv = vp[i];
-                    if (len < chunk_len) { /* rows past len repeat its last key */
+                    if (skip > 0 || len < chunk_len) { /* rows past len repeat its last key */
                         for (int64_t t = 0; t < CHUNK; t++) {
-                            kpj[t] = kp[i][t < len ? t : len - 1];
-                            vpj[t] = vp[i][t < len ? t : len - 1];
+                            kpj[t] = kp[i][skip + (t < len ? t : len - 1)];
+                            vpj[t] = vp[i][skip + (t < len ? t : len - 1)];
                         }
                         kk = kpj;
                         vv = vpj;
@@ -280,16 +289,18 @@ void NAME(silu_mul)(const T *gate_up, T *out, int64_t num_rows, int64_t dim)
 }
 
 /* Rotary embedding in place on the first `num_heads` heads of each row of x (the query and
- * key heads of a fused QKV row), in the rotate-half convention; cos and sin are
- * [max_positions, head_dim] tables with each half repeated. */
+ * key heads of a fused QKV row), in the rotate-half convention, on each head's first
+ * `rotary_dim` dimensions (all of them but for partial rotary); cos and sin are
+ * [positions, rotary_dim] tables with each half repeated. */
 void NAME(rope)(T *x, int64_t x_stride, const int64_t *positions, const T *cos_table,
-                const T *sin_table, int64_t num_rows, int64_t num_heads, int64_t head_dim)
+                const T *sin_table, int64_t num_rows, int64_t num_heads, int64_t head_dim,
+                int64_t rotary_dim)
 {
-    const int64_t half = head_dim / 2;
+    const int64_t half = rotary_dim / 2;
 #pragma omp parallel for schedule(static) if (num_rows > 16)
     for (int64_t r = 0; r < num_rows; r++) {
-        const T *c = cos_table + positions[r] * head_dim;
-        const T *s = sin_table + positions[r] * head_dim;
+        const T *c = cos_table + positions[r] * rotary_dim;
+        const T *s = sin_table + positions[r] * rotary_dim;
         for (int64_t h = 0; h < num_heads; h++) {
             T *a = x + r * x_stride + h * head_dim;
             T *b = a + half;
@@ -299,6 +310,47 @@ void NAME(rope)(T *x, int64_t x_stride, const int64_t *positions, const T *cos_t
                 a[d] = TO(ROUND(x1 * FROM(c[d])) - ROUND(x2 * FROM(s[d])));
                 b[d] = TO(ROUND(x2 * FROM(c[half + d])) + ROUND(x1 * FROM(s[half + d])));
             }
+        }
+    }
+}
+
+/* RMS norm in place of each of the first `num_heads` heads of each row of x, with one weight
+ * of head_dim for all (Qwen3's and Gemma 3's q/k norms, on the heads of a fused QKV row);
+ * rounded as add_rms_norm rounds. */
+void NAME(rms_norm_heads)(T *x, int64_t x_stride, int64_t num_rows, int64_t num_heads,
+                          int64_t head_dim, const T *weight, float eps)
+{
+#pragma omp parallel for schedule(static) if (num_rows * num_heads > 64)
+    for (int64_t r = 0; r < num_rows; r++)
+        for (int64_t h = 0; h < num_heads; h++) {
+            T *xh = x + r * x_stride + h * head_dim;
+            float sumsq = 0.0f;
+#pragma omp simd reduction(+ : sumsq)
+            for (int64_t d = 0; d < head_dim; d++)
+                sumsq += FROM(xh[d]) * FROM(xh[d]);
+            const float inv = 1.0f / sqrtf(sumsq / (float)head_dim + eps);
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++)
+                xh[d] = TO(FROM(weight[d]) * ROUND(FROM(xh[d]) * inv));
+        }
+}
+
+/* out = gelu_tanh(gate) * up, where each row of gate_up is [gate | up] (Gemma's MLP):
+ * gelu_tanh(g) = g / 2 * (1 + tanh(u)), u = sqrt(2 / pi) * (g + 0.044715 g^3), computed as
+ * g / (1 + e^(-2u)), the same value without the cancellation of 1 + tanh(u) near -1. */
+void NAME(gelu_tanh_mul)(const T *gate_up, T *out, int64_t num_rows, int64_t dim)
+{
+#pragma omp parallel for schedule(static) if (num_rows > 4)
+    for (int64_t r = 0; r < num_rows; r++) {
+        const T *g = gate_up + r * 2 * dim;
+        const T *u = g + dim;
+        T *o = out + r * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) {
+            const float gd = FROM(g[d]);
+            const float inner = 0.7978845608028654f * (gd + 0.044715f * gd * gd * gd);
+            const float gelu = gd / (1.0f + fast_expf(-2.0f * inner));
+            o[d] = TO(ROUND(gelu) * FROM(u[d]));
         }
     }
 }

@@ -64,6 +64,7 @@ def _paged_attention_kernel(
     block_tables_ptr,
     num_seqs,
     qk_scale,
+    window,
     stride_q_t,
     stride_q_h,
     stride_q_d,
@@ -116,12 +117,15 @@ def _paged_attention_kernel(
     q_ptrs = q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h
     q = tl.load(q_ptrs + dims[None, :] * stride_q_d, mask=row_ok[:, None], other=0.0)
     last_key = context_len + q_idx  # causal: the newest key each row may see
+    # sliding window: the oldest key the block's first row sees (0 without a window)
+    kv_start = tl.where(window > 0, tl.maximum(context_len + q_start - window + 1, 0), 0)
 
     kv_end = context_len + tl.minimum(q_start + BLOCK_Q, query_len)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    first_tile = kv_start // BLOCK_N
+    num_tiles = tl.cdiv(kv_end, BLOCK_N) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -132,13 +136,14 @@ def _paged_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
         keys = tile * BLOCK_N + offs_n
-        key_ok = keys < kv_end
+        key_ok = (keys < kv_end) & (keys >= kv_start)  # blocks outside are never read
         block = tl.load(block_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = keys % BLOCK_SIZE
         k_rows = block * stride_k_b + slot * stride_k_s
         k = tl.load(k_head + k_rows[:, None], mask=key_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = (keys[None, :] <= last_key[:, None]) & key_ok[None, :]
+        visible &= (window <= 0) | (keys[None, :] > last_key[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf.
@@ -195,7 +200,7 @@ def _merge_splits_kernel(
     dims = tl.arange(0, HEAD_DIM)
     lse_ptrs = part_lse_ptr + token * stride_pl_t + head * stride_pl_h + splits
     lse = tl.load(lse_ptrs, mask=split_ok, other=float("-inf"))
-    # The first split always holds key 0, so the max is finite.
+    # Some split holds each row's own key, so the max is finite.
     weight = tl.exp2(lse - tl.max(lse, 0))
     po_ptrs = part_out_ptr + token * stride_po_t + head * stride_po_h
     po_ptrs += splits[:, None] * stride_po_s + dims[None, :]
@@ -265,8 +270,10 @@ def paged_attention_triton(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     split_scratch: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
+    """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache,
+    within a sliding ``window`` of keys when it is positive (``paged_attention_torch``'s).
 
     ``max_query_len`` and ``max_seq_len`` are hints that spare a device-to-host read: with
     both given (or ``num_splits`` given) the call never synchronises, as CUDA-graph capture
@@ -333,6 +340,7 @@ def paged_attention_triton(
         block_tables,
         num_seqs,
         scale * _LOG2E,
+        window,
         *q.stride(),
         *out.stride(),
         *k_cache.stride(),

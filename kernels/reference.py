@@ -12,8 +12,11 @@ into another layout):
   tokens in total, the new ones included and already written to the cache.
 - ``block_tables[i, j]`` is the physical block holding that sequence's tokens
   ``j*block_size .. (j+1)*block_size-1``; rows are padded with any valid block id.
-- New query ``q`` (position ``context_len + q``, where ``context_len = seq_len - query_len``)
-  sees keys at positions ``<= context_len + q``.
+- New query ``q`` (position ``p = context_len + q``, where ``context_len = seq_len -
+  query_len``) sees keys at positions ``<= p``; with a sliding ``window`` of W > 0 only those
+  ``> p - W`` (W keys, its own included: transformers' sliding-window mask). Blocks that lie
+  wholly before every window of a batch are never read, so their table entries may name any
+  block (the engine frees them).
 
 Decodes read whole blocks and mask the unused tail, so those slots must hold finite values
 (the engine allocates its cache zero-filled); the Triton kernels never read past
@@ -22,7 +25,7 @@ Decodes read whole blocks and mask the unused tail, so those slots must hold fin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -72,8 +75,33 @@ class DecodeBucket:
     """Decodes attended in one padded SDPA call."""
 
     rows: torch.Tensor  # their query rows
-    blocks: torch.Tensor  # [S, nblk] block ids, int64
-    mask: torch.Tensor  # [S, 1, 1, nblk * block_size] additive: 0 or -inf
+    lens: torch.Tensor  # [S] their sequence lengths, int64
+    tables: torch.Tensor  # [S, nblk] their block tables up to the longest one's last block
+    block_size: int
+    # window -> (blocks [S, n], additive mask [S, 1, 1, n * block_size]); built on first use,
+    # then shared by every layer of that window
+    views: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def view(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks each row reads under ``window`` (0: all of them) and its mask: a row's
+        first block is the one holding its oldest visible key, so a short window gathers a
+        few blocks however long the sequences are."""
+        if window in self.views:
+            return self.views[window]
+        bs, lens = self.block_size, self.lens
+        lo = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+        first, last = lo // bs, (lens - 1) // bs
+        n = int((last - first).max()) + 1
+        cols = (first[:, None] + torch.arange(n, device=lens.device)[None, :]).clamp(
+            max=last[:, None]
+        )
+        blocks = self.tables.gather(1, cols)
+        pos = first[:, None] * bs + torch.arange(n * bs, device=lens.device)[None, :]
+        valid = (pos >= lo[:, None]) & (pos < lens[:, None])
+        # An additive float mask keeps SDPA off its slower boolean-mask checks.
+        mask = torch.zeros(valid.shape, device=lens.device).masked_fill_(~valid, float("-inf"))
+        self.views[window] = (blocks, mask[:, None, None, :])
+        return self.views[window]
 
 
 @dataclass
@@ -112,14 +140,12 @@ def plan_attention_torch(
     for group in _length_buckets(decodes, lens):
         nblk = -(-lens[group[-1]] // block_size)
         idx = torch.tensor(group, dtype=torch.long, device=dev)
-        valid = torch.arange(nblk * block_size, device=dev)[None, :] < seq_lens[idx][:, None]
-        # An additive float mask keeps SDPA off its slower boolean-mask checks.
-        mask = torch.zeros(valid.shape, device=dev).masked_fill_(~valid, float("-inf"))
         buckets.append(
             DecodeBucket(
                 rows=cu_seqlens_q.to(torch.long)[idx],
-                blocks=block_tables[idx, :nblk].to(torch.long),
-                mask=mask[:, None, None, :],
+                lens=seq_lens[idx].to(torch.long),
+                tables=block_tables[idx, :nblk].to(torch.long),
+                block_size=block_size,
             )
         )
     prefills = [
@@ -142,8 +168,10 @@ def paged_attention_torch(
     scale: float,
     out: torch.Tensor | None = None,
     plan: TorchAttentionPlan | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
+    """Causal attention of ``q`` ``[num_tokens, num_heads, head_dim]`` over the paged cache,
+    within a sliding ``window`` of keys when it is positive.
 
     Each decode bucket is one padded SDPA call; each prefill chunk gets its own call with
     its causal offset mask. GQA is left to SDPA's ``enable_gqa`` so K/V are never repeated
@@ -151,30 +179,38 @@ def paged_attention_torch(
     """
     if out is None:
         out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
     if plan is None:
-        plan = plan_attention_torch(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
+        plan = plan_attention_torch(cu_seqlens_q, seq_lens, block_tables, block_size)
     for b in plan.decodes:
-        k = _gather(k_cache, b.blocks)  # [S, kvh, nblk*bs, d]
-        v = _gather(v_cache, b.blocks)
+        blocks, mask = b.view(window)
+        k = _gather(k_cache, blocks)  # [S, kvh, n*bs, d]
+        v = _gather(v_cache, blocks)
         qd = q[b.rows].unsqueeze(2)  # [S, h, 1, d]
-        mask = b.mask.to(q.dtype)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            qd, k, v, attn_mask=mask.to(q.dtype), scale=scale, enable_gqa=True
+        )
         out[b.rows] = o.squeeze(2).to(out.dtype)
 
     for c in plan.prefills:
         qlen, seq_len = c.end - c.start, c.seq_len
         ctx = seq_len - qlen
-        k = _gather(k_cache, c.blocks)[:, :seq_len]  # [kvh, L, d]
-        v = _gather(v_cache, c.blocks)[:, :seq_len]
+        # the first block holding a key the chunk's first query sees
+        first = max(0, ctx - window + 1) // block_size if window else 0
+        keys = seq_len - first * block_size
+        k = _gather(k_cache, c.blocks[first:])[:, :keys]  # [kvh, keys, d]
+        v = _gather(v_cache, c.blocks[first:])[:, :keys]
         qp = q[c.start : c.end].transpose(0, 1)  # [h, qlen, d]
-        if ctx == 0:
+        if ctx == 0 and (not window or qlen <= window):
             o = F.scaled_dot_product_attention(
                 qp, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            kpos = torch.arange(seq_len, device=q.device)
+            kpos = torch.arange(first * block_size, seq_len, device=q.device)
             qpos = torch.arange(ctx, seq_len, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]
+            if window:
+                mask &= kpos[None, :] > qpos[:, None] - window
             o = F.scaled_dot_product_attention(
                 qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )
@@ -207,12 +243,24 @@ def rope_torch(
     sin: torch.Tensor,
 ) -> torch.Tensor:
     """Rotate the first ``num_heads`` heads of each row of ``x`` in place (rotate-half), with
-    the rows of the ``cos``/``sin`` tables that ``positions`` pick."""
-    heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+    the rows of the ``cos``/``sin`` tables that ``positions`` pick. The tables' width is the
+    rotary dimension: a head's dimensions past it (partial rotary) are left as they are."""
+    rot = cos.shape[-1]
+    heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)[..., :rot]
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    half = head_dim // 2
+    half = rot // 2
     rotated = torch.cat([-heads[..., half:], heads[..., :half]], dim=-1)
     heads.copy_(heads * c + rotated * s)
+    return x
+
+
+def rms_norm_heads_torch(
+    x: torch.Tensor, num_heads: int, head_dim: int, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RMS-normalise each of the first ``num_heads`` heads of each row of ``x`` in place, with
+    one ``weight`` of ``head_dim`` for all of them (the q/k norms of Qwen3 and Gemma 3)."""
+    heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+    heads.copy_(F.rms_norm(heads, (head_dim,), weight, eps))
     return x
 
 
@@ -220,6 +268,12 @@ def silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for rows ``[gate | up]`` (a new tensor; ``out`` is unused)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul_torch(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for rows ``[gate | up]`` (a new tensor; ``out`` is unused)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def argmax_rows_torch(x: torch.Tensor) -> torch.Tensor:

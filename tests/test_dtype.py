@@ -23,8 +23,8 @@ from tokenq.bench.hf_reference import build_hf_model
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenq.engine import config as config_module
 from tokenq.engine.downloads import build_dir
+from tokenq.engine.linear import Linear
 from tokenq.engine.loader import load_checkpoint
-from tokenq.engine.model import Linear
 from tokenq.kernels import cpu_features, cpu_ops
 
 CPU = torch.device("cpu")

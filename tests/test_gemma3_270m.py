@@ -1,0 +1,88 @@
+"""The real Gemma 3 270M (Q4_K_M GGUF from the package registry, `--model gemma3-270m`)
+against transformers loading the same file, in float32: greedy tokens equal on several
+prompts, one longer than its 512-token window, fed in chunks."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.helpers import GEMMA3_270M, gemma3_270m_path
+from tests.test_parity import PROSE
+from tokenq.bench.hf_reference import greedy_config
+from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
+from tokenq.engine.config import ModelConfig
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 12
+PROMPTS = [
+    "The capital of France is",
+    "¿Cuántos días tiene una semana?",
+    PROSE + " " + PROSE,  # past the window: the local layers drop its beginning
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=GEMMA3_270M,
+            device="cpu",
+            dtype="float32",
+            max_num_batched_tokens=256,
+            num_kv_blocks=128,  # 2,048 tokens: what the prompts need, not 2 GiB
+        )
+    )
+
+
+def transformers_from_gguf(path: str, config: ModelConfig) -> torch.nn.Module:
+    """transformers' own reading of the file, in one pass of its (slow: a minute here)
+    reader: the config it parses and the tensors it dequantizes, named for a model of our
+    config's shape; the two configs must agree."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cached = functools.cache(gguf.get_tensor_name_map)  # a pure function called per module
+    original, gguf.get_tensor_name_map = gguf.get_tensor_name_map, cached
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(
+                AutoConfig.for_model(**config.to_hf_config())
+            )
+        read = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
+    finally:
+        gguf.get_tensor_name_map = original
+    theirs = AutoConfig.for_model(**read["config"])
+    for key in ("num_hidden_layers", "head_dim", "sliding_window", "layer_types"):
+        assert getattr(theirs, key) == config.to_hf_config()[key], key
+    assert theirs.rope_parameters["sliding_attention"]["rope_theta"] == config.local_rope_theta
+    assert theirs.query_pre_attn_scalar == config.query_pre_attn_scalar
+    model = AutoModelForCausalLM.from_config(theirs, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(read["tensors"], strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embeddings
+    model.tie_weights()
+    return model.eval()
+
+
+def test_gemma3_270m_is_what_transformers_makes_of_its_gguf(engine: LLMEngine) -> None:
+    config = engine.model_config
+    assert (config.model_type, config.num_layers, config.sliding_window) == ("gemma3_text", 18, 512)
+    assert [config.layer_window(i) for i in range(6)] == [512] * 5 + [0]
+    reqs = [engine.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
+    assert reqs[0][0] == engine.tokenizer.bos_token_id and len(reqs[-1]) > 512
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=NEW_TOKENS)
+    for i, ids in enumerate(reqs):
+        engine.add_request(f"p{i}", prompt_token_ids=ids, params=params)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.token_ids
+    model = transformers_from_gguf(str(gemma3_270m_path()), config)
+    for i, ids in enumerate(reqs):
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([ids]), generation_config=greedy_config(NEW_TOKENS))
+        assert got[f"p{i}"] == ref[0, len(ids) :].tolist(), PROMPTS[i][:40]
