@@ -246,7 +246,7 @@ def check_seamless_takeover(
     client.close()
 
 
-# -- two processes: the engine's and the queue process it spawns (worker/host.py, worker/remote.py) --------
+# -- two processes: the engine's and the queue process it spawns (worker/host.py) ------------
 
 
 def test_ctrl_c_reaching_both_processes_counts_as_one_stop(
