@@ -20,10 +20,13 @@ from collections.abc import Iterable
 
 ROLES = ("client", "worker", "gateway", "admin")
 
-# Any connection: redis-py names its library on connect (CLIENT SETINFO) and a client its
-# connection (client_name=); PING checks an idle one; INFO server tells a stream reader
-# how a blocked XREAD of several streams wakes (before Redis 7.2: with one stream).
-_CONNECTION = ("ping", "info", "client|setinfo", "client|setname")
+# Any connection: a client may name its connection (client_name=), PING checks an idle
+# one; INFO server tells a stream reader how a blocked XREAD of several streams wakes
+# (before Redis 7.2: with one stream). redis-py names its library on connect too (CLIENT
+# SETINFO, from Redis 7.2: `SETINFO`).
+_CONNECTION = ("ping", "info", "client|setname")
+SETINFO = "client|setinfo"
+SETINFO_SINCE = (7, 2)
 # Lua scripts: EVALSHA, loaded on NOSCRIPT (SCRIPT LOAD; a pipeline asks SCRIPT EXISTS).
 _SCRIPTS = ("evalsha", "eval", "script|load", "script|exists")
 _SUBMIT = ("exists", "get", "set", "zadd", "xadd", "incrby")  # submit.lua
@@ -33,7 +36,7 @@ _CLIENT = (
     "zrangebyscore", "hgetall",  # the registry of live workers
 )  # fmt: skip
 _FLEET = (  # tokenq/ops/fleet.py: what /metrics, /dashboard and `inspect` read
-    "time", "scan", "xlen", "zrange", "hgetall", "get", "xinfo|groups", "xrange",
+    "time", "scan", "xlen", "zrange", "hgetall", "hmget", "get", "xinfo|groups", "xrange",
     "xrevrange", "xpending", "multi", "exec",
 )  # fmt: skip
 COMMANDS: dict[str, tuple[str, ...]] = {
@@ -125,13 +128,20 @@ def _keys(namespace: str, role: str, models: Iterable[str]) -> list[str]:
     return ["~" + p for p in (*own, *jobs, *fleet, f"{ns}:void", f"{ns}:jobs")]
 
 
-def acl_rules(role: str, namespace: str, models: Iterable[str] = ()) -> str:
+def acl_rules(
+    role: str,
+    namespace: str,
+    models: Iterable[str] = (),
+    redis_version: tuple[int, ...] = SETINFO_SINCE,
+) -> str:
     """A role's rules for `ACL SETUSER <user> on ><password> <rules>` (or an ACL file's
     `user` line): nothing but its keys and commands. `models`: a worker's served names,
-    to keep it to their queues (else the whole namespace)."""
+    to keep it to their queues (else the whole namespace). `redis_version`: the server's
+    (an ACL naming a command it lacks is refused)."""
     if role not in COMMANDS:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    commands = sorted(set(COMMANDS[role]))
+    setinfo = (SETINFO,) if redis_version >= SETINFO_SINCE else ()
+    commands = sorted({*COMMANDS[role], *setinfo})
     return " ".join(
         ["resetkeys", "resetchannels", "-@all", *_keys(namespace, role, models)]
         + [f"+{c}" for c in commands]
