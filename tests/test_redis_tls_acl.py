@@ -294,3 +294,13 @@ def test_only_tls_with_the_servers_ca_connects(server: TlsRedis) -> None:
         redis.Redis(port=server.port, password=ROOT_PASSWORD, ssl=True, socket_timeout=2).ping()
     with pytest.raises(redis.AuthenticationError):  # the CA, a wrong password
         redis.Redis.from_url(server.url("client").replace("pw-client", "nope")).ping()
+
+
+def test_the_acl_lines_in_the_docs_are_the_roles_rules() -> None:
+    """docs/security.md shows each role's line as `acl_rules` writes it."""
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    for role in ROLES:
+        models = ("smollm2-135m",) if role == "worker" else ()
+        password = f"{role.upper()}_PASSWORD"
+        line = f"ACL SETUSER tq-{role} on >{password} {acl_rules(role, 'tokenq', models)}"
+        assert line in docs, role

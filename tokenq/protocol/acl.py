@@ -11,7 +11,7 @@ and Redis's ACL log stays empty.
 - `worker`: `tokenq worker` for the models named.
 - `gateway`: `tokenq serve`: a client, plus its bookmarks, per-key limits, Files and
   Batches, and the fleet's gauges for /metrics and /dashboard.
-- `admin`: `tokenq inspect`, `top`, `result`, `cancel`, `dlq`, `exporter`.
+- `admin`: `tokenq inspect`, `result`, `cancel`, `dlq`, `exporter`.
 """
 
 from __future__ import annotations

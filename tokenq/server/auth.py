@@ -214,7 +214,7 @@ class KeyRing:
     defaults: Policy = field(default_factory=Policy)
     # Without keys: everyone, with every lane open, as before keys existed.
     anonymous: Principal = field(default_factory=lambda: Principal(ANONYMOUS, None, OPEN_POLICY))
-    table: dict[bytes, Principal] = field(default_factory=dict)
+    table: dict[bytes, Principal] = field(init=False)  # by the key's SHA-256
 
     def __post_init__(self) -> None:
         self.table = self._read()

@@ -90,7 +90,14 @@ from tokenq.server.openai_api import (
     to_submit_kwargs,
     usage_chunk,
 )
-from tokenq.server.ratelimit import Admission, Limited, RateLimiter, estimate_tokens
+from tokenq.server.ratelimit import (
+    DEFAULT_MAX_TOKENS,
+    Admission,
+    AdmitGate,
+    Limited,
+    RateLimiter,
+    estimate_tokens,
+)
 
 KEEP_RUNNING = "x-tokenq-keep-running"
 TIMEOUT_HEADER = "x-tokenq-timeout"
@@ -340,30 +347,29 @@ async def _context(client: AsyncClient, model: str | None) -> int | None:
     return next((m.max_model_len for m in await client.models() if m.id == model), None)
 
 
-async def _admit(
+async def _gate(
     request: Request, principal: Principal, kwargs: dict[str, Any], job_id: str, timeout: float
-) -> Admission | None:
-    """Count the request against its key's limits and bind its Idempotency-Key to the job
-    it asks for, in one script call (none when there is nothing to count or bind). The
-    job, not the body's bytes: a retry may ask for the answer another way (streamed or
-    not, with a usage chunk or not), never for another job."""
+) -> AdmitGate | None:
+    """What counts the request against its key's limits and binds its Idempotency-Key to
+    the job it asks for, in the script call that submits it (None when there is nothing
+    to count or bind). The job, not the body's bytes: a retry may ask for the answer
+    another way (streamed or not, with a usage chunk or not), never for another job."""
     keyed = request.headers.get("idempotency-key") is not None
     policy = principal.policy
     if not policy.limited and not keyed:
         return None
     tokens = 0
     if policy.tokens_per_minute:
-        max_tokens = kwargs.get("max_tokens", 16)
-        context = await _context(request.app.state.client, kwargs["model"]) if (
-            max_tokens is None
-        ) else None  # fmt: skip
+        context = None
+        if kwargs.get("max_tokens", DEFAULT_MAX_TOKENS) is None:
+            context = await _context(request.app.state.client, kwargs.get("model"))
         tokens = estimate_tokens(kwargs, context)
     digest = None
     if keyed:
         job = json.dumps(kwargs, sort_keys=True, separators=(",", ":"))
         digest = hashlib.sha256(job.encode()).hexdigest()
     limiter: RateLimiter = request.app.state.limiter
-    return await limiter.admit(principal, job_id, tokens, timeout, digest)
+    return limiter.gate(principal, job_id, tokens, timeout, digest)
 
 
 async def _submit(request: Request, kind: str) -> Submitted:
@@ -372,8 +378,8 @@ async def _submit(request: Request, kind: str) -> Submitted:
     client: AsyncClient = app.state.client
     config: GatewayConfig = app.state.config
     principal: Principal = request.state.principal
-    request.state.body = await _read_body(request, config.max_body_bytes)
-    body = _parse_json(request.state.body)
+    raw = await _read_body(request, config.max_body_bytes)
+    body = _parse_json(raw)
     kwargs = to_submit_kwargs(kind, body, client.config.limits)
     form = rendering(kind, body)
     principal.policy.check_priority(kwargs.get("priority", 0))
@@ -385,20 +391,22 @@ async def _submit(request: Request, kind: str) -> Submitted:
         models = await client.models()
         if len(models) == 1:
             kwargs["model"] = models[0].id
-    admission = await _admit(request, principal, kwargs, job_id, timeout)
+    gate = await _gate(request, principal, kwargs, job_id, timeout)
     if config.log_payloads:
-        log.info("job %s: request %s", job_id, clip(request.state.body.decode(errors="replace")))
+        log.info("job %s: request %s", job_id, clip(raw.decode(errors="replace")))
     limiter: RateLimiter = app.state.limiter
+    deadline = time.time() + timeout
     try:
-        job = await client.submit(job_id=job_id, deadline=time.time() + timeout, **kwargs)
+        job = await client.submit(job_id=job_id, deadline=deadline, gate=gate, **kwargs)
     except (UnknownModel, QueueFull, ProtocolError) as exc:
-        if admission is not None:  # nothing was queued: nothing was used
-            await limiter.settle(admission, 0)
+        if gate is not None and gate.admission is not None:  # counted, nothing queued
+            await limiter.settle(gate.admission, 0)
         if isinstance(exc, UnknownModel):
             raise await _missing_model(client, exc) from None
         if isinstance(exc, QueueFull):
             raise BadRequest(str(exc), None, 429, "rate_limit_error", "queue_full") from None
         raise job_error(exc.code, exc.message) from None
+    admission = None if gate is None else gate.admission
     if job.duplicate and admission is not None and admission.tokens:
         await limiter.settle(admission, 0)  # another request queued it first, and pays
     return Submitted(kwargs.get("model", ""), job, form, timeout, admission)
@@ -432,9 +440,7 @@ async def generate(request: Request, kind: str) -> Response:
     client: AsyncClient = app.state.client
     try:
         submitted = await _submit(request, kind)
-        model, job, form, timeout = (
-            submitted.model, submitted.job, submitted.form, submitted.timeout
-        )  # fmt: skip
+        job, form, model = submitted.job, submitted.form, submitted.model
         keep = request.headers.get(KEEP_RUNNING, "").lower() in TRUE
         watch = Attachment(app, job, keep, submitted.admission)
         headers = {JOB_HEADER: job.id}
@@ -448,11 +454,11 @@ async def generate(request: Request, kind: str) -> Response:
                 if form.stream:
                     after = await _resume_point(request, client, job)
             except BadRequest as exc:
-                raise _with_headers(exc, headers) from None
+                raise _Answered(exc, headers) from None
         ended = after != "0-0" and await _ended_at(client, job, after)
         # The wait is bounded by the job's deadline: the worker stops it there. The margin
         # covers a worker that died holding it (another takes it over, within a minute).
-        events = job.stream(after=after, timeout=timeout + 90)
+        events = job.stream(after=after, timeout=submitted.timeout + 90)
         handed_over = False
         gone = asyncio.ensure_future(_client_gone(request))
         try:
@@ -494,13 +500,9 @@ async def generate(request: Request, kind: str) -> Response:
 class _Answered(BadRequest):
     """A refusal after the job was found: its answer keeps the job's headers."""
 
-    headers: dict[str, str]
-
-
-def _with_headers(exc: BadRequest, headers: dict[str, str]) -> _Answered:
-    out = _Answered(exc.message, exc.param, exc.status, exc.type, exc.code)
-    out.headers = headers
-    return out
+    def __init__(self, exc: BadRequest, headers: dict[str, str]) -> None:
+        super().__init__(exc.message, exc.param, exc.status, exc.type, exc.code)
+        self.headers = headers
 
 
 def _used(event: Event) -> int | None:

@@ -1,7 +1,8 @@
 """Per-key limits that every gateway shares: requests and tokens a minute and jobs at once,
-counted in Redis by one script call a request (tokenq/protocol/scripts/rate_admit.lua), and
-settled when the request ends (rate_settle.lua). The same call binds an Idempotency-Key to
-the body it was first sent with.
+counted in Redis (tokenq/protocol/scripts/rate_admit.lua) in the same script call that
+submits the request's job (admit_submit.lua: `AsyncClient.submit(gate=)`), and settled
+when the request ends (rate_settle.lua). The same call binds an Idempotency-Key to the job
+it was first sent for.
 
 Tokens are charged up front as the prompt's estimate (its token ids, or a token per
 `CHARS_PER_TOKEN` characters: the gateway has no tokenizer) plus `max_tokens` (the model's
@@ -194,27 +195,51 @@ def _admit_args(
     ]
 
 
+class AdmitGate:
+    """One request's RATE_ADMIT as a `Gate` of its submit (producer/client.py): checked
+    in the script call that queues its job. `admission` holds what was counted once it
+    passed; `check` raises Limited, or BadRequest 422 for a reused Idempotency-Key."""
+
+    def __init__(
+        self,
+        limiter: RateLimiter,
+        principal: Principal,
+        job_id: str,
+        tokens: int,
+        hold_s: float,
+        digest: str | None,
+    ) -> None:
+        self.script = limiter.admit_submit
+        self.keys = limiter.keys.admit(principal, job_id)
+        policy = principal.policy
+        self.args = _admit_args(policy, job_id, tokens, hold_s, digest, limiter.digest_ttl)
+        self.principal, self.job_id, self.tokens = principal, job_id, tokens
+        self.admission: Admission | None = None
+
+    def check(self, answer: Any) -> None:
+        self.admission = _outcome(self.principal, self.job_id, self.tokens, answer)
+
+
 class RateLimiter:
     """The gateway's side (redis.asyncio)."""
 
     def __init__(self, conn: aioredis.Redis, namespace: str, digest_ttl: int) -> None:
         self.keys = RateKeys(namespace)
         self.digest_ttl = digest_ttl
-        self._admit = conn.register_script(source("rate_admit"))
+        self.admit_submit = conn.register_script(source("admit_submit"))
         self._settle = conn.register_script(source("rate_settle"))
 
-    async def admit(
+    def gate(
         self,
         principal: Principal,
         job_id: str,
         tokens: int,
         hold_s: float,
         digest: str | None,
-    ) -> Admission:
-        """Count one request (raises Limited, or BadRequest 422 for a reused key)."""
-        args = _admit_args(principal.policy, job_id, tokens, hold_s, digest, self.digest_ttl)
-        answer = await self._admit(keys=self.keys.admit(principal, job_id), args=args)
-        return _outcome(principal, job_id, tokens, answer)
+    ) -> AdmitGate:
+        """The gate that counts one request as its job is submitted (`hold_s`: how long
+        its job may run, after which its slot lapses even if nobody settles it)."""
+        return AdmitGate(self, principal, job_id, tokens, hold_s, digest)
 
     async def settle(self, admission: Admission, used: int | None) -> None:
         """The request has ended: free its slot and correct its tokens to `used` (None:
