@@ -28,8 +28,9 @@ from tests.helpers import make_tiny_llama_dir
 from tests.test_batch_api import jsonl, line, upload, wait_status
 from tests.test_gateway import GatewayProcess, register_ghost
 from tests.waits import wait_for
+from tokenq.cli.serve import api_keys
 from tokenq.protocol import unpack
-from tokenq.server.auth import principal_id
+from tokenq.server.auth import KeyFileError, Policy, digest_of, parse_keys, principal_id
 
 MODEL = "tiny"
 ADMIN = "admin-" + uuid.uuid4().hex
@@ -127,6 +128,44 @@ def complete(gateway: GatewayProcess, name: str, **body: Any) -> httpx.Response:
 
 
 # --- keys ------------------------------------------------------------------------------
+
+
+def test_a_key_file_is_read_whole_or_refused_naming_the_line_never_the_key() -> None:
+    defaults = Policy(requests_per_minute=60)
+    secret = "sk-" + uuid.uuid4().hex
+    table = parse_keys(
+        f"# comment\n{secret} acme tpm=10 lanes=interactive,default priority=-3..3\n"
+        f"sha256:{'ab' * 32} -  # digest only\n",
+        defaults,
+    )
+    digest = digest_of(secret)
+    acme = table[digest]
+    assert acme.tenant == "acme" and acme.id == principal_id(digest) == digest.hex()[:16]
+    assert acme.policy.requests_per_minute == 60 and acme.policy.tokens_per_minute == 10
+    assert acme.policy.lanes == {"interactive", "default"}
+    assert (acme.policy.min_priority, acme.policy.max_priority) == (-3, 3)
+    assert table[bytes.fromhex("ab" * 32)].tenant is None
+    for bad, why in (
+        (f"{secret}\n", "needs a key and a tenant"),
+        (f"{secret} has/slash\n", "tenant must match"),
+        (f"{secret} acme rpm=lots\n", "invalid literal"),
+        (f"{secret} acme speed=9\n", "unknown option"),
+        (f"{secret} acme lanes=vip\n", "lanes must be among"),
+        (f"{secret} acme priority=5..1\n", "low first"),
+        (f"{secret} acme\n{secret} globex\n", "line 2: the same key twice"),
+        ("sha256:abc acme\n", "64 hex digits"),
+    ):
+        with pytest.raises(KeyFileError) as info:
+            parse_keys(bad, defaults)
+        assert why in str(info.value) and secret not in str(info.value)
+
+
+def test_api_keys_come_from_flags_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENQ_API_KEY", " k1, k2 ,,")
+    assert api_keys([]) == ("k1", "k2")
+    assert api_keys(["flag"]) == ("flag",)
+    monkeypatch.delenv("TOKENQ_API_KEY")
+    assert api_keys([]) == ()
 
 
 def test_no_key_or_a_wrong_key_is_401_in_openais_shape_and_health_stays_open(
