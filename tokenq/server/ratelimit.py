@@ -12,7 +12,8 @@ context when the request sets none), and corrected to the job's real usage at it
   the last minute;
 - `ns:gw:running:<principal>` (sorted set): the key's jobs running, scored by when each
   claim lapses;
-- `ns:gw:body:<job id>` (string): SHA-256 of the body its Idempotency-Key came with.
+- `ns:gw:body:<job id>` (string): SHA-256 of the job its Idempotency-Key was first sent
+  for (its submit arguments).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def _outcome(principal: Principal, job_id: str, tokens: int, answer: list[Any]) 
     kind = answer[0].decode()
     if kind == "reused":
         raise BadRequest(
-            "this Idempotency-Key was used with another request body: a new request needs "
+            "this Idempotency-Key was first sent with another request: a new request needs "
             "a new key",
             "Idempotency-Key",
             422,

@@ -2,17 +2,17 @@
 -- gateway: requests and tokens over the last minute (counts per second in one hash, the
 -- last 61 seconds summed, so that no span of 60 seconds ever holds more than a limit),
 -- jobs running at once (a sorted set of job ids, scored by when their claim lapses), and
--- the body an Idempotency-Key was first sent with. Nothing is counted unless all pass. A
+-- the job an Idempotency-Key was first sent for. Nothing is counted unless all pass. A
 -- job that exists already (a retry attaching to it) costs a request, no tokens, no slot.
 -- KEYS: the key's counts (hash: "r:<second>" requests, "t:<second>" tokens), its running
---       jobs (sorted set), the job's body digest (string; any key when none), the job key
+--       jobs (sorted set), the digest of the job's request (string), the job key
 -- ARGV: requests a minute, tokens a minute, jobs at once (0: no limit), the request's
---       tokens, job id, seconds a running claim lasts, body digest ("" for none), how
---       long the digest is kept (s)
+--       tokens, job id, seconds a running claim lasts, the request's digest ("" for
+--       none: no Idempotency-Key), how long the digest is kept (s)
 -- Reply: {"ok", second charged, requests, tokens (in the window, this one's included),
 --         ms until the counted requests and the counted tokens have all left it, 1 if
 --         the job existed}
---        {"reused"}: the Idempotency-Key was sent with another body
+--        {"reused"}: the Idempotency-Key was first sent with another request
 --        {"limited", "requests" | "tokens" | "concurrent" | "too_large", ms to wait,
 --         requests, tokens, ms until they have left the window (2)}
 local rpm, tpm, cap = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
