@@ -9,9 +9,6 @@ with text, from the moment all requests were sent) at the median and p99, with t
 difference the gateway adds. Then latency: short requests one at a time, each prompt sent
 both ways back to back (in turn first), so that the machine's drift hits both sides of
 each pair alike; the gateway's added time is the median of the pairs' differences.
-With `--keys`, a second gateway with an API key and per-key limits (counted in Redis, set
-too high to refuse anything) takes the place of `Client` in those pairs: the median
-difference is what authentication and limits add to a request.
 Needs a Redis server: the gateway is another process.
 """
 
@@ -149,8 +146,9 @@ def _keys_paired_process(
     params: dict[str, Any],
     results: Any,
 ) -> None:
-    """Latency pairs as `_paired_process`'s, both through the SDK: the gateway without
-    keys, and the one with a key and limits."""
+    """`--keys`: latency pairs as `_paired_process`'s, both through the SDK: the gateway
+    without keys, and one with an API key and per-key limits (counted in Redis, set too
+    high to refuse anything). The median difference is what they add to a request."""
     import openai
 
     try:
