@@ -1057,6 +1057,21 @@ class AsyncJob:
         return value.decode() if value else "unknown"
 
 
+class Gate(Protocol):
+    """A check that runs in SUBMIT's own script call, just before it, and may refuse it:
+    one round trip for both (the gateway's per-key limits, tokenq/server/ratelimit.py).
+    `script` takes the check's `keys` and `args`, then SUBMIT's arguments, and answers
+    {the check's answer, SUBMIT's answer}, or {the check's answer} when it refused."""
+
+    script: Any
+    keys: list[str]
+    args: list[Any]
+
+    def check(self, answer: Any) -> None:
+        """The check's answer; raises when it refused the submit (nothing was queued)."""
+        ...
+
+
 class AsyncClient:
     """The asyncio producer; same protocol, semantics and connection use as `Client`, its
     stream reader a task in the event loop."""
@@ -1082,15 +1097,26 @@ class AsyncClient:
         self._closed = False
 
     async def submit(
-        self, prompt: str | None = None, *, queue_anyway: bool = False, **kwargs: Any
+        self,
+        prompt: str | None = None,
+        *,
+        queue_anyway: bool = False,
+        gate: Gate | None = None,
+        **kwargs: Any,
     ) -> AsyncJob:
-        jobs = await self.submit_many([make_request(prompt, **kwargs)], queue_anyway=queue_anyway)
+        request = make_request(prompt, **kwargs)
+        jobs = await self.submit_many([request], queue_anyway=queue_anyway, gate=gate)
         return jobs[0]
 
     async def submit_many(
-        self, requests: Iterable[JobRequest], *, queue_anyway: bool = False
+        self,
+        requests: Iterable[JobRequest],
+        *,
+        queue_anyway: bool = False,
+        gate: Gate | None = None,
     ) -> list[AsyncJob]:
-        """As `Client.submit_many`."""
+        """As `Client.submit_many`; with a `gate`, its check runs in the same script call,
+        before SUBMIT, and may refuse the submit (raising what its `check` raises)."""
         if self._closed:
             raise ClientClosed("submit on a closed client")
         reqs = _prepare(requests, self.config.limits)
@@ -1099,7 +1125,15 @@ class AsyncClient:
         if self._routing.needs_registry(reqs, queue_anyway):
             await self.models()
         args = _submit_args(self.config, reqs, self._routing.resolve(reqs, queue_anyway))
-        duplicate = _submitted(await self._retrying(lambda: self._submit(args=args)))
+        if gate is None:
+            answer = await self._retrying(lambda: self._submit(args=args))
+        else:
+            both = await self._retrying(
+                lambda: gate.script(keys=gate.keys, args=[*gate.args, *args])
+            )
+            gate.check(both[0])
+            answer = both[1]
+        duplicate = _submitted(answer)
         return [AsyncJob(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]
 
     async def models(self) -> list[ModelInfo]:

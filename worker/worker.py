@@ -142,8 +142,10 @@ class Worker:
 
     def _check_redis(self) -> None:
         """Refuse a server older than MIN_REDIS or a cluster node (the scripts name keys of
-        many slots); warn about one that evicts keys, which may drop a job or its fence. A
-        server that answers neither INFO nor CONFIG (managed, fakeredis) is trusted."""
+        many slots); warn about one that evicts keys, which may drop a job or its fence.
+        All from INFO, which a worker's ACL allows (CONFIG would give it the server's
+        settings, passwords included); a server that does not answer it (managed,
+        fakeredis) is trusted."""
         try:
             info = self.redis.info()  # the default sections: server and cluster among them
         except redis.RedisError:
@@ -159,15 +161,11 @@ class Worker:
         if message is not None:
             self.log.error("worker not started", error=message)
             raise UnsupportedRedis(message)
-        try:
-            config = self.redis.config_get("maxmemory*")
-        except redis.RedisError:
-            return
-        policy = config.get("maxmemory-policy", "noeviction")
-        if policy != "noeviction" and config.get("maxmemory", "0") != "0":
+        policy = info.get("maxmemory_policy", "noeviction")
+        if policy != "noeviction" and str(info.get("maxmemory", 0)) != "0":
             self.log.warning(
                 "redis evicts keys at maxmemory: jobs can be lost",
-                maxmemory=config.get("maxmemory"),
+                maxmemory=str(info["maxmemory"]),
                 maxmemory_policy=policy,
                 fix="maxmemory-policy noeviction",
             )

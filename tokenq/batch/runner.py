@@ -297,6 +297,19 @@ class Counts:
         return self.tokens / max(time.monotonic() - self.started, 1e-9)
 
 
+class Meter(Protocol):
+    """Counts a batch's jobs against a budget (the gateway's per-key limits)."""
+
+    def charge(self, request: JobRequest) -> float:
+        """Count one job before it is submitted: 0, or the seconds until there is room
+        (nothing counted)."""
+        ...
+
+    def settle(self, job_id: str, used: int) -> None:
+        """The job ended having used `used` tokens."""
+        ...
+
+
 class Sink(Protocol):
     """Where answers go: one record at a time, from any thread."""
 
@@ -383,7 +396,11 @@ class BatchRun:
         max_outstanding: int,
         queue_anyway: bool = False,
         on_answer: Callable[[Counts], None] | None = None,
+        adjust: Callable[[dict[str, Any]], None] | None = None,
+        meter: Meter | None = None,
     ) -> None:
+        """`adjust` rewrites each job's arguments (the gateway: its owner's tenant and
+        priorities); `meter` counts each job before it is submitted."""
         if max_outstanding < 1:
             raise ValueError("max_outstanding must be at least 1")
         self.client = client
@@ -395,6 +412,8 @@ class BatchRun:
         self.permits = threading.BoundedSemaphore(max_outstanding)
         self.counts = Counts()
         self.on_answer = on_answer
+        self.adjust = adjust
+        self.meter = meter
         self.lock = threading.Lock()
         # Chunks are submitted short when permits run out: room for more of them than
         # max_outstanding / CHUNK (a chunk holds its thread until its last answer).
@@ -491,17 +510,36 @@ class BatchRun:
         if self.model is not None:
             kwargs["model"] = self.model
         # Batch work runs in the batch lane; a priority inside it orders the batch's own jobs.
-        priority = kwargs.pop("priority", None)
+        priority = kwargs.get("priority")
         if priority is None or lane_of(priority) != BATCH:
-            priority = 1
-        request = make_request(
-            job_id=job_id, priority=priority, metadata={"line": item.line}, **kwargs
-        )
+            kwargs["priority"] = 1
+        if self.adjust is not None:
+            self.adjust(kwargs)
+        metadata = {**kwargs.pop("metadata", {}), "line": item.line}
+        request = make_request(job_id=job_id, metadata=metadata, **kwargs)
         return _Pending(item, job_id, kwargs.get("model"), request, logprobs)
 
     def _submit(self, batch: list[_Pending]) -> None:
         """Queue a chunk in one script call; on a refusal, one at a time to find the lines
         at fault (they are answered, the rest go on)."""
+        if self.meter is None:
+            self._queue(batch)
+            return
+        ready: list[_Pending] = []
+        for n, pending in enumerate(batch):
+            while (wait := self.meter.charge(pending.request)) > 0:
+                if ready:  # what has room goes now
+                    self._queue(ready)
+                    ready = []
+                if self.stopped.wait(wait):
+                    for _ in batch[n:]:  # never submitted: a re-run does
+                        self.permits.release()
+                    return
+            ready.append(pending)
+        if ready:
+            self._queue(ready)
+
+    def _queue(self, batch: list[_Pending]) -> None:
         try:
             jobs = self._submit_many([p.request for p in batch])
             accepted = list(zip(batch, jobs, strict=True))
@@ -596,6 +634,9 @@ class BatchRun:
 
     def _finish(self, pending: _Pending, event: Event, logprobs: Logprobs | None) -> None:
         item = pending.item
+        if self.meter is not None:
+            used = event.usage.total_tokens if isinstance(event, DoneEvent) else 0
+            self.meter.settle(pending.job_id, used)
         line = (event.metadata or {}).get("line") if isinstance(event.metadata, dict) else None
         if line is not None and line != item.line:
             message = f"line {item.line}: custom_id {item.custom_id!r} repeats line {line}'s"

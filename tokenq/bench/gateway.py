@@ -123,6 +123,40 @@ def _paired_process(
         results.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
+def _keys_paired_process(
+    open_url: str,
+    keyed_url: str,
+    url: str,
+    namespace: str,
+    prompts: list[list[int]],
+    params: dict[str, Any],
+    results: Any,
+) -> None:
+    """`--keys`: latency pairs as `_paired_process`'s, both through the SDK: the gateway
+    without keys, and one with an API key and per-key limits (counted in Redis, set too
+    high to refuse anything). The median difference is what they add to a request."""
+    import openai
+
+    try:
+        plain = openai.OpenAI(base_url=f"{open_url}/v1", api_key="none", max_retries=0)
+        keyed = openai.OpenAI(base_url=f"{keyed_url}/v1", api_key=BENCH_KEY, max_retries=0)
+        with plain, keyed:
+            while BENCH_NAME not in [m.id for m in keyed.models.list().data]:
+                time.sleep(0.05)
+            pairs = []
+            for i, ids in enumerate(prompts):
+                if i % 2:
+                    on = _sdk_ttft(keyed, ids, params)
+                    off = _sdk_ttft(plain, ids, params)
+                else:
+                    off = _sdk_ttft(plain, ids, params)
+                    on = _sdk_ttft(keyed, ids, params)
+                pairs.append((off, on))
+        results.put({"result": pairs})
+    except BaseException as exc:
+        results.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
 def _client_process(
     url: str, namespace: str, prompts: list[list[int]], params: dict[str, Any], results: Any
 ) -> None:
@@ -174,13 +208,24 @@ def _sdk_process(
         results.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
-def start_gateway(url: str, namespace: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+BENCH_KEY = "sk-bench"
+# Keys on, with every limit counted and none reached.
+KEYED = [
+    "--api-key", BENCH_KEY, "--requests-per-minute", "100000000",
+    "--tokens-per-minute", "100000000000", "--max-concurrent-jobs", "100000",
+]  # fmt: skip
+
+
+def start_gateway(
+    url: str, namespace: str, port: int, log: Path, extra: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     import httpx
 
     cmd = [
         sys.executable, "-m", "tokenq.cli", "serve", "--redis-url", url,
         "--namespace", namespace, "--port", str(port),
         "--request-timeout", "86400",  # a slow machine's run is slow, not late
+        *extra,
     ]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -219,6 +264,11 @@ def main(argv: list[str] | None = None) -> None:
         default=Path(tempfile.gettempdir()) / "tokenq-bench-gateway.log",
         help="the gateway's log",
     )
+    ap.add_argument(
+        "--keys",
+        action="store_true",
+        help="latency: a gateway with an API key and limits against one without (port + 1)",
+    )
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
@@ -233,6 +283,14 @@ def main(argv: list[str] | None = None) -> None:
     gateway = start_gateway(args.redis_url, namespace, args.port, args.log)
     sdk_side = partial(_sdk_process, f"http://127.0.0.1:{args.port}")
     paired_side = partial(_paired_process, f"http://127.0.0.1:{args.port}")
+    keyed = None
+    if args.keys:
+        keyed_log = args.log.with_suffix(".keyed.log")
+        keyed = start_gateway(args.redis_url, namespace, args.port + 1, keyed_log, tuple(KEYED))
+        base = "http://127.0.0.1"
+        paired_side = partial(
+            _keys_paired_process, f"{base}:{args.port}", f"{base}:{args.port + 1}"
+        )
     # Latency: short prompts one at a time, a few tokens each.
     alone_prompts = [ids[:16] for ids in w1(args.latency_requests, 16, 1).prompts]
     alone = {**params, "max_tokens": 4}
@@ -252,8 +310,10 @@ def main(argv: list[str] | None = None) -> None:
             )
             pairs += run_queue(engine, conn, namespace, alone_prompts, alone, paired_side)
     finally:
-        gateway.terminate()
-        gateway.wait(timeout=30)
+        for proc in (gateway, keyed):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
         delete_namespace(conn, namespace)
     direct = max(direct_runs, key=lambda r: r.tokens_per_s)
     through = max(gateway_runs, key=lambda r: r.tokens_per_s)
@@ -274,13 +334,15 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(pairs)} requests of 16 tokens + 4 each way, one at a time, in pairs:\n"
         f"{'':<10}{'TTFT p50':>12}{'TTFT p99':>12}"
     )
-    for name, ttfts in (("Client", [d for d, _ in pairs]), ("gateway", [g for _, g in pairs])):
+    names = ("keys off", "keys on") if args.keys else ("Client", "gateway")
+    for name, ttfts in ((names[0], [d for d, _ in pairs]), (names[1], [g for _, g in pairs])):
         p50, p99 = percentile(ttfts, 50) * 1000, percentile(ttfts, 99) * 1000
-        print(f"{name:<10}{p50:>10.1f}ms{p99:>10.1f}ms")
+        print(f"{name:<10}{p50:>10.2f}ms{p99:>10.2f}ms")
     added = [g - d for d, g in pairs]
+    what = "keys and limits added to TTFT" if args.keys else "added TTFT"
     print(
-        f"added TTFT, median of the pairs' differences {percentile(added, 50) * 1000:+.1f} ms "
-        f"(p99 of them {percentile(added, 99) * 1000:+.1f} ms)"
+        f"{what}, median of the pairs' differences {percentile(added, 50) * 1000:+.2f} ms "
+        f"(p99 of them {percentile(added, 99) * 1000:+.2f} ms)"
     )
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
-from tokenq.cli.options import EXIT_USAGE, common_options, option, parse_size
+from tokenq.cli.options import EXIT_USAGE, common_options, flag_option, option, parse_size
 
 
 def add_commands(sub: Any) -> None:
@@ -87,7 +89,59 @@ def serve_parser() -> argparse.ArgumentParser:
         choices=("critical", "error", "warning", "info", "debug"),
         help="the gateway's and uvicorn's log level",
     )
+    flag_option(
+        serve, "--log-payloads", "log prompts and outputs at INFO (debugging: never in production)"
+    )
+    access_options(serve)
     return serve
+
+
+def access_options(serve: argparse.ArgumentParser) -> None:
+    """Keys, limits and the admin address (docs/security.md)."""
+    from tokenq.server.auth import Policy
+
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key /v1/* accepts as 'Authorization: Bearer KEY' (repeatable) "
+        "[env TOKENQ_API_KEY: comma-separated]",
+    )
+    option(
+        serve,
+        "--api-keys-file",
+        type=Path,
+        help="keys with their tenants and limits, one a line; reread on SIGHUP",
+    )
+    option(serve, "--admin-key", help="needed for /metrics and /dashboard")
+    option(
+        serve,
+        "--admin-port",
+        type=int,
+        help="serve /metrics and /dashboard on this port instead of the public one",
+    )
+    option(serve, "--admin-host", default="127.0.0.1", help="the admin port's address")
+    defaults = Policy()
+    for flag, default, what in (
+        ("--requests-per-minute", 0, "requests a minute per key (0: no limit)"),
+        ("--tokens-per-minute", 0, "prompt and max_tokens a minute per key (0: no limit)"),
+        ("--max-concurrent-jobs", 0, "jobs a key runs at once (0: no limit)"),
+    ):
+        option(serve, flag, type=int, default=default, help=what)
+    option(
+        serve,
+        "--storage-per-key",
+        type=parse_size,
+        default=defaults.storage_bytes,
+        help="bytes of files a key may hold at once (0: no limit)",
+    )
+
+
+def api_keys(given: list[str]) -> tuple[str, ...]:
+    """--api-key flags, else TOKENQ_API_KEY (comma-separated)."""
+    if given:
+        return tuple(given)
+    return tuple(k.strip() for k in os.environ.get("TOKENQ_API_KEY", "").split(",") if k.strip())
 
 
 def _not_installed(missing: str | None) -> int:
@@ -101,10 +155,17 @@ def serve_main(argv: list[str]) -> int:
         parser = serve_parser()
     except ImportError as exc:
         return _not_installed(exc.name)
+    from tokenq.server.auth import KeyFileError, Policy
     from tokenq.server.batch_api import BatchConfig
     from tokenq.server.gateway import GatewayConfig, serve
 
     args = parser.parse_args(argv)
+    policy = Policy(
+        requests_per_minute=args.requests_per_minute,
+        tokens_per_minute=args.tokens_per_minute,
+        concurrent_jobs=args.max_concurrent_jobs,
+        storage_bytes=args.storage_per_key,
+    )
     config = GatewayConfig(
         redis_url=args.redis_url,
         namespace=args.namespace,
@@ -113,9 +174,20 @@ def serve_main(argv: list[str]) -> int:
         cancel_grace=args.cancel_grace,
         retry_after=args.retry_after,
         max_backlog=args.max_backlog,
+        api_keys=api_keys(args.api_key),
+        api_keys_file=args.api_keys_file,
+        key_policy=policy,
+        admin_key=args.admin_key,
+        admin_port=args.admin_port,
+        admin_host=args.admin_host,
+        log_payloads=args.log_payloads,
     )
     batches = BatchConfig(
         max_file_bytes=args.max_file, poll_s=args.batch_poll, lock_ttl_s=args.batch_lock_ttl
     )
-    serve(config, args.host, args.port, args.log_level, batches)
+    try:
+        serve(config, args.host, args.port, args.log_level, batches)
+    except KeyFileError as exc:
+        print(f"tokenq serve: --api-keys-file: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return 0

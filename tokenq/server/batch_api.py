@@ -6,12 +6,19 @@ loses no batch: another gateway, or the same one back, takes it over and resumes
 
 | key | type | what |
 |---|---|---|
-| `ns:file:<id>` | hash | a file's metadata: `bytes`, `created_at`, `filename`, `purpose` |
+| `ns:file:<id>` | hash | a file's metadata: size, times, name, purpose, `owner` |
 | `ns:file:<id>:data` | string | its content; output and error files grow by APPEND |
-| `ns:batch:<id>` | hash | a batch: status, timestamps, counts, its files (`fields` below) |
-| `ns:batches` | sorted set | batch ids by creation (listing, newest first) |
+| `ns:files:<owner>` | sorted set | an owner's file ids by creation (listing) |
+| `ns:files:<owner>:bytes` | hash | their sizes (the storage quota) |
+| `ns:batch:<id>` | hash | a batch: status, timestamps, counts, its files, `owner`, `tenant` |
+| `ns:batches:<owner>` | sorted set | an owner's batch ids by creation (listing, newest first) |
 | `ns:batches:active` | set | batches not in a final state: the runners' work list |
 | `ns:batch:<id>:lock` | string | the gateway running it (a token, expiring unless renewed) |
+
+Files and batches belong to the principal (tokenq/server/auth.py) that created them: any
+other's id is answered 404, as an id that does not exist. Files expire (`expires_after`,
+by default `DEFAULT_EXPIRY_S` after their creation, batch outputs as their batch's input)
+and count against their owner's storage quota until then.
 
 A batch runner task in every gateway scans the active set, takes a batch's lock (SET NX
 with a TTL it renews while it runs: two gateways never run one batch, and a dead
@@ -33,7 +40,7 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +61,9 @@ from tokenq.batch.runner import (
 from tokenq.producer.client import Client
 from tokenq.protocol import Keys
 from tokenq.protocol.scripts import source
+from tokenq.server.auth import ANONYMOUS, KeyRing, Principal, apply_principal
 from tokenq.server.openai_api import BadRequest, error_body
+from tokenq.server.ratelimit import SyncMeter
 
 VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED = (
     "validating",
@@ -65,6 +74,10 @@ VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED = (
 FAILED, CANCELLING, CANCELLED, EXPIRED = "failed", "cancelling", "cancelled", "expired"
 FINAL = frozenset({COMPLETED, FAILED, CANCELLED, EXPIRED})
 WINDOWS = {"24h": 24 * 3600}  # completion windows OpenAI offers
+# Files expire, as OpenAI's batch files do: 30 days after creation unless `expires_after`
+# says otherwise (from an hour to 30 days); a batch's outputs when its input does.
+DEFAULT_EXPIRY_S = 30 * 24 * 3600
+MIN_EXPIRY_S = 3600
 MAX_ERRORS = 100  # validation errors kept on a failed batch
 TIMESTAMPS = (
     "in_progress_at",
@@ -105,9 +118,14 @@ class BatchKeys:
     def lock(self, batch_id: str) -> str:
         return f"{self.ns}:batch:{batch_id}:lock"
 
-    @property
-    def batches(self) -> str:
-        return f"{self.ns}:batches"
+    def files(self, owner: str) -> str:
+        return f"{self.ns}:files:{owner}"
+
+    def sizes(self, owner: str) -> str:
+        return f"{self.ns}:files:{owner}:bytes"
+
+    def batches(self, owner: str) -> str:
+        return f"{self.ns}:batches:{owner}"
 
     @property
     def active(self) -> str:
@@ -118,13 +136,20 @@ def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode()
 
 
+def owner_of(h: dict[bytes, bytes]) -> str:
+    """Whose a file or batch is (made before there were owners: everyone's, as then)."""
+    return h.get(b"owner", ANONYMOUS.encode()).decode()
+
+
 def file_object(file_id: str, meta: dict[bytes, bytes]) -> dict[str, Any]:
     """OpenAI's File object from its hash."""
+    expires = int(meta.get(b"expires_at", 0))
     return {
         "id": file_id,
         "object": "file",
         "bytes": int(meta[b"bytes"]),
         "created_at": int(meta[b"created_at"]),
+        "expires_at": expires or None,
         "filename": meta[b"filename"].decode(),
         "purpose": meta[b"purpose"].decode(),
         "status": "processed",
@@ -168,6 +193,28 @@ def _error(exc: BadRequest) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+def _expiry(form: Any, now: int) -> int:
+    """When an upload expires: OpenAI's `expires_after[anchor]` (created_at) and
+    `expires_after[seconds]`, else the default."""
+    anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return now + DEFAULT_EXPIRY_S
+    if anchor != "created_at":
+        raise BadRequest("expires_after[anchor] must be 'created_at'", "expires_after")
+    if not isinstance(seconds, str) or not seconds.isdigit():
+        raise BadRequest("expires_after[seconds] must be a number of seconds", "expires_after")
+    if not MIN_EXPIRY_S <= int(seconds) <= DEFAULT_EXPIRY_S:
+        bounds = f"[{MIN_EXPIRY_S}, {DEFAULT_EXPIRY_S}]"
+        raise BadRequest(f"expires_after[seconds] must be in {bounds}", "expires_after")
+    return now + int(seconds)
+
+
+def _over_quota(quota: int, used: int | None) -> BadRequest:
+    held = "" if used is None else f" ({used} held now)"
+    message = f"the file does not fit this key's storage quota of {quota} bytes{held}"
+    return BadRequest(message, "file", 413, code="storage_quota_exceeded")
+
+
 def _not_found(what: str, ident: str) -> JSONResponse:
     body = error_body(f"no {what} with id {ident!r}", "invalid_request_error", "id")
     return JSONResponse(body, status_code=404)
@@ -175,6 +222,43 @@ def _not_found(what: str, ident: str) -> JSONResponse:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
+
+
+async def store_meta(
+    reserve: Any,
+    keys: BatchKeys,
+    owner: str,
+    file_id: str,
+    size: int,
+    quota: int,
+    now: int,
+    expires: int,
+    meta: dict[str, str],
+) -> tuple[bool, int]:
+    """List a new file as its owner's and write its metadata, if it fits the owner's quota
+    (FILE_RESERVE); (whether it did, the bytes the owner held before)."""
+    fields = {
+        "bytes": size, "created_at": now, "expires_at": expires, "owner": owner, **meta
+    }  # fmt: skip
+    flat = [x for pair in fields.items() for x in pair]
+    stored, used = await reserve(
+        keys=[keys.files(owner), keys.sizes(owner), keys.file(file_id)],
+        args=[f"{keys.ns}:file:", file_id, size, quota, now, expires, *flat],
+    )
+    return bool(stored), int(used)
+
+
+def owner_rules(principal: Principal) -> Callable[[dict[str, Any]], None]:
+    """A batch line's job as its owner may queue it: the owner's tenant, and a priority
+    inside the batch lane and the key's range."""
+    policy = principal.policy
+
+    def adjust(kwargs: dict[str, Any]) -> None:
+        apply_principal(kwargs, principal)
+        priority = max(kwargs["priority"], policy.min_priority, 1)
+        kwargs["priority"] = min(priority, policy.max_priority)
+
+    return adjust
 
 
 class RedisSink:
@@ -243,6 +327,8 @@ class BatchRunner:
         self.token = secrets.token_hex(8)
         self.running: dict[str, asyncio.Task[None]] = {}
         self.wake = asyncio.Event()
+        self.ring: KeyRing = app.state.keys
+        self.reserve = self.redis.register_script(source("file_reserve"))
         self.transition = self.redis.register_script(source("batch_transition"))
         self.renew = self.redis.register_script(source("lock_renew"))
         self.release = self.redis.register_script(source("lock_release"))
@@ -323,12 +409,16 @@ class BatchRunner:
             await self.move(batch_id, FAILED, "failed_at", VALIDATING)
             return
         now = int(time.time())
+        owner = owner_of(h)
+        source_file = self.keys.file(h[b"input_file_id"].decode())
+        expires = int(await self.redis.hget(source_file, "expires_at") or 0)
+        expires = expires or now + DEFAULT_EXPIRY_S
         output, error = new_id("file"), new_id("file")
         for file_id, name in ((output, "output"), (error, "errors")):
-            meta = {"bytes": 0, "created_at": now, "filename": f"{batch_id}_{name}.jsonl"}
-            await self.redis.hset(
-                self.keys.file(file_id), mapping={**meta, "purpose": "batch_output"}
-            )
+            meta = {"filename": f"{batch_id}_{name}.jsonl", "purpose": "batch_output"}
+            await store_meta(self.reserve, self.keys, owner, file_id, 0, 0, now, expires, meta)
+            # APPEND keeps this TTL: the answers expire with their file.
+            await self.redis.set(self.keys.data(file_id), b"", exat=expires)
         mapping = {"total": total, "output_file_id": output, "error_file_id": error}
         await self.redis.hset(key, mapping=mapping)
         await self.move(batch_id, IN_PROGRESS, "in_progress_at", VALIDATING)
@@ -338,12 +428,18 @@ class BatchRunner:
         content = await self.redis.get(self.keys.data(h[b"input_file_id"].decode())) or b""
         conn = redis.Redis.from_url(self.url)
         client = Client(self.url, namespace=self.namespace, require_worker=False)
+        owner = owner_of(h)
+        tenant = h[b"tenant"].decode() if b"tenant" in h else None
+        principal = Principal(owner, tenant, self.ring.policy_of(owner))
+        meter = SyncMeter(conn, self.namespace, principal)
         run = BatchRun(
             client,
             RedisSink(conn, self.keys, batch_id, h),
             batch_id,
             max_outstanding=self.config.max_outstanding,
             queue_anyway=True,  # a batch waits for its workers
+            adjust=owner_rules(principal),
+            meter=meter if meter.active else None,
         )
         try:
             done = await asyncio.to_thread(self._done, conn, batch_id, h)
@@ -417,7 +513,9 @@ class BatchRunner:
             if name in h:
                 file_id = h[name].decode()
                 size = await self.redis.strlen(self.keys.data(file_id))
-                await self.redis.hset(self.keys.file(file_id), "bytes", size)
+                if await self.redis.exists(self.keys.file(file_id)):
+                    await self.redis.hset(self.keys.file(file_id), "bytes", size)
+                    await self.redis.hset(self.keys.sizes(owner_of(h)), file_id, size)
 
 
 def batch_router(config: BatchConfig | None = None) -> APIRouter:
@@ -442,55 +540,125 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
     def keys_of(request: Request) -> BatchKeys:
         return BatchKeys(request.app.state.config.namespace)
 
+    def principal_of(request: Request) -> Principal:
+        return request.state.principal
+
+    async def own(request: Request, key: str) -> dict[bytes, bytes]:
+        """A file's or batch's hash if it is the caller's; {} as for none."""
+        h = await request.app.state.redis.hgetall(key)
+        return h if h and owner_of(h) == principal_of(request).id else {}
+
     @router.post("/v1/files")
     async def create_file(request: Request) -> Response:
+        quota = principal_of(request).policy.storage_bytes
         size = int(request.headers.get("content-length") or 0)
         if size > config.max_file_bytes + (1 << 20):
             bound = config.max_file_bytes
             return _error(BadRequest(f"the file is over {bound} bytes", "file", 413))
+        if quota and size > quota + (1 << 20):
+            return _error(_over_quota(quota, None))
         form = await request.form(max_part_size=config.max_file_bytes)
         purpose, upload = form.get("purpose"), form.get("file")
         if purpose != "batch":
             return _error(BadRequest("purpose must be 'batch'", "purpose"))
         if upload is None or isinstance(upload, str):
             return _error(BadRequest("a file is required (multipart field 'file')", "file"))
+        now = int(time.time())
+        try:
+            expires = _expiry(form, now)
+        except BadRequest as exc:
+            return _error(exc)
         content = await upload.read()
         if len(content) > config.max_file_bytes:
             bound = config.max_file_bytes
             return _error(BadRequest(f"the file is over {bound} bytes", "file", 413))
         keys = keys_of(request)
         file_id = new_id("file")
-        meta = {
-            "bytes": len(content),
-            "created_at": int(time.time()),
-            "filename": upload.filename or file_id,
-            "purpose": "batch",
-        }
+        meta = {"filename": upload.filename or file_id, "purpose": "batch"}
+        owner = principal_of(request).id
+        reserve = request.app.state.batch_runner.reserve
+        stored, used = await store_meta(
+            reserve, keys, owner, file_id, len(content), quota, now, expires, meta
+        )
+        if not stored:
+            return _error(_over_quota(quota, used))
         conn = request.app.state.redis
-        async with conn.pipeline(transaction=True) as pipe:
-            pipe.set(keys.data(file_id), content)
-            pipe.hset(keys.file(file_id), mapping=meta)
-            await pipe.execute()
+        await conn.set(keys.data(file_id), content, exat=expires)
         return JSONResponse(file_object(file_id, await conn.hgetall(keys.file(file_id))))
+
+    @router.get("/v1/files")
+    async def list_files(
+        request: Request,
+        purpose: str | None = None,
+        limit: int = 10_000,
+        order: str = "desc",
+        after: str | None = None,
+    ) -> Response:
+        if not 1 <= limit <= 10_000:
+            return _error(BadRequest("limit must be in [1, 10000]", "limit"))
+        if order not in ("asc", "desc"):
+            return _error(BadRequest("order must be 'asc' or 'desc'", "order"))
+        keys = keys_of(request)
+        conn = request.app.state.redis
+        owned = keys.files(principal_of(request).id)
+        ids = [
+            i.decode()
+            for i in await (conn.zrevrange if order == "desc" else conn.zrange)(owned, 0, -1)
+        ]
+        if after is not None:
+            if after not in ids:
+                return _not_found("file", after)
+            ids = ids[ids.index(after) + 1 :]
+        async with conn.pipeline(transaction=False) as pipe:
+            for file_id in ids:
+                pipe.hgetall(keys.file(file_id))
+            metas = await pipe.execute()
+        files = [
+            file_object(file_id, meta)
+            for file_id, meta in zip(ids, metas, strict=True)
+            if meta and (purpose is None or meta[b"purpose"].decode() == purpose)
+        ]
+        page = files[:limit]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(files) > limit,
+            }
+        )
 
     @router.get("/v1/files/{file_id}")
     async def retrieve_file(request: Request, file_id: str) -> Response:
-        meta = await request.app.state.redis.hgetall(keys_of(request).file(file_id))
+        meta = await own(request, keys_of(request).file(file_id))
         return JSONResponse(file_object(file_id, meta)) if meta else _not_found("file", file_id)
 
     @router.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str) -> Response:
         keys = keys_of(request)
-        conn = request.app.state.redis
-        if not await conn.exists(keys.file(file_id)):
+        if not await own(request, keys.file(file_id)):
             return _not_found("file", file_id)
-        content = await conn.get(keys.data(file_id)) or b""
+        content = await request.app.state.redis.get(keys.data(file_id)) or b""
         return Response(content, media_type="application/jsonl")
+
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(request: Request, file_id: str) -> Response:
+        keys = keys_of(request)
+        owner = principal_of(request).id
+        if not await own(request, keys.file(file_id)):
+            return _not_found("file", file_id)
+        async with request.app.state.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.file(file_id), keys.data(file_id))
+            pipe.zrem(keys.files(owner), file_id)
+            pipe.hdel(keys.sizes(owner), file_id)
+            await pipe.execute()
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     @router.post("/v1/batches")
     async def create_batch(request: Request) -> Response:
         try:
-            body = await request.json()
+            body = await request.json()  # bounded by the gateway's Guard
         except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return _error(BadRequest("the request body must be JSON"))
         if not isinstance(body, dict):
@@ -504,9 +672,14 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
             return _error(BadRequest("completion_window must be '24h'", "completion_window"))
         if metadata is not None and not isinstance(metadata, dict):
             return _error(BadRequest("metadata must be an object", "metadata"))
+        principal = principal_of(request)
+        try:
+            principal.policy.check_priority(1)  # a batch's jobs run in the batch lane
+        except BadRequest as exc:
+            return _error(exc)
         keys = keys_of(request)
         conn = request.app.state.redis
-        meta = await conn.hgetall(keys.file(file_id)) if isinstance(file_id, str) else {}
+        meta = await own(request, keys.file(file_id)) if isinstance(file_id, str) else {}
         if not meta:
             return _not_found("file", str(file_id))
         if meta.get(b"purpose") != b"batch":
@@ -520,12 +693,15 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
             "completion_window": window,
             "created_at": now,
             "expires_at": now + WINDOWS[window],
+            "owner": principal.id,
         }
+        if principal.tenant is not None:
+            fields["tenant"] = principal.tenant
         if metadata is not None:
             fields["metadata"] = json.dumps(metadata)
         async with conn.pipeline(transaction=True) as pipe:
             pipe.hset(keys.batch(batch_id), mapping=fields)
-            pipe.zadd(keys.batches, {batch_id: time.time()})  # finer than created_at
+            pipe.zadd(keys.batches(principal.id), {batch_id: time.time()})  # finer than created_at
             pipe.sadd(keys.active, batch_id)
             await pipe.execute()
         request.app.state.batch_runner.wake.set()
@@ -533,7 +709,7 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
 
     @router.get("/v1/batches/{batch_id}")
     async def retrieve_batch(request: Request, batch_id: str) -> Response:
-        h = await request.app.state.redis.hgetall(keys_of(request).batch(batch_id))
+        h = await own(request, keys_of(request).batch(batch_id))
         return JSONResponse(batch_object(batch_id, h)) if h else _not_found("batch", batch_id)
 
     @router.get("/v1/batches")
@@ -542,13 +718,14 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
             return _error(BadRequest("limit must be in [1, 100]", "limit"))
         keys = keys_of(request)
         conn = request.app.state.redis
+        owned = keys.batches(principal_of(request).id)
         start = 0
         if after is not None:
-            rank = await conn.zrevrank(keys.batches, after)
+            rank = await conn.zrevrank(owned, after)
             if rank is None:
                 return _not_found("batch", after)
             start = rank + 1
-        ids = [i.decode() for i in await conn.zrevrange(keys.batches, start, start + limit)]
+        ids = [i.decode() for i in await conn.zrevrange(owned, start, start + limit)]
         more = len(ids) > limit
         ids = ids[:limit]
         data = []
@@ -571,8 +748,7 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
         keys = keys_of(request)
         conn = request.app.state.redis
         runner: BatchRunner = request.app.state.batch_runner
-        h = await conn.hgetall(keys.batch(batch_id))
-        if not h:
+        if not await own(request, keys.batch(batch_id)):
             return _not_found("batch", batch_id)
         if not await runner.move(batch_id, CANCELLING, "cancelling_at", VALIDATING, IN_PROGRESS):
             status = (await conn.hget(keys.batch(batch_id), "status") or b"").decode()

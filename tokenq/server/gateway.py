@@ -21,18 +21,25 @@ nothing the workers are running.
 - Operators get the fleet's Prometheus gauges at `/metrics` and a live page at
   `/dashboard` (tokenq/server/dashboard.py), read from Redis on a blocking connection of their
   own (prometheus_client collects synchronously) in the thread pool.
+- Access (docs/security.md): `Guard` (tokenq/server/auth.py) lets `/v1/*` through only with
+  an API key once keys are configured, and knows the principal each request is; the job
+  an `Idempotency-Key` names is that principal's (`Principal.job_id`); per-key limits are
+  counted in Redis (tokenq/server/ratelimit.py) by every gateway alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
+import signal
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -53,10 +60,22 @@ from tokenq.protocol import (
     ProtocolError,
     RestartEvent,
     TokenEvent,
+    clip,
+    new_job_id,
     quote,
     reply_seq,
 )
 from tokenq.protocol.connection import DEFAULT_REDIS_URL, redacted
+from tokenq.server.auth import (
+    ANONYMOUS,
+    OPEN_POLICY,
+    BodyLimits,
+    Guard,
+    KeyRing,
+    Policy,
+    Principal,
+    apply_principal,
+)
 from tokenq.server.batch_api import BatchConfig, batch_router
 from tokenq.server.dashboard import dashboard_router
 from tokenq.server.openai_api import (
@@ -70,6 +89,14 @@ from tokenq.server.openai_api import (
     response_body,
     to_submit_kwargs,
     usage_chunk,
+)
+from tokenq.server.ratelimit import (
+    DEFAULT_MAX_TOKENS,
+    Admission,
+    AdmitGate,
+    Limited,
+    RateLimiter,
+    estimate_tokens,
 )
 
 KEEP_RUNNING = "x-tokenq-keep-running"
@@ -100,6 +127,31 @@ class GatewayConfig:
     retry_for: float = 5.0  # how long a request rides out an unreachable Redis: then 503
     # Jobs a model's lane may hold before 429 (ClientConfig.max_backlog; None: its default).
     max_backlog: int | None = None
+    # Access (docs/security.md). No key and no key file: open to whoever reaches it.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_keys_file: Path | None = None
+    # What a key may do unless its line in the file says otherwise; without keys, the
+    # limits apply to everyone together (every lane and priority open).
+    key_policy: Policy = field(default_factory=Policy)
+    admin_key: str | None = field(default=None, repr=False)  # for /metrics and /dashboard
+    admin_port: int | None = None  # serve those there instead of on the public port
+    admin_host: str = "127.0.0.1"
+    log_payloads: bool = False  # prompts and outputs at INFO, for debugging
+
+
+def key_ring(config: GatewayConfig) -> KeyRing:
+    """The keys `config` names (KeyFileError if its file cannot be read)."""
+    policy = config.key_policy
+    anonymous = replace(
+        OPEN_POLICY,
+        requests_per_minute=policy.requests_per_minute,
+        tokens_per_minute=policy.tokens_per_minute,
+        concurrent_jobs=policy.concurrent_jobs,
+        storage_bytes=policy.storage_bytes,
+    )
+    return KeyRing(
+        config.api_keys, config.api_keys_file, policy, Principal(ANONYMOUS, None, anonymous)
+    )
 
 
 class ClientLeft(Exception):
@@ -110,7 +162,7 @@ def _error(exc: BadRequest, headers: dict[str, str] | None = None) -> JSONRespon
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+async def _read_body(request: Request, limit: int) -> bytes:
     size = request.headers.get("content-length")
     too_big = BadRequest(
         f"the request body is over {limit} bytes", None, 413, code="payload_too_large"
@@ -122,6 +174,10 @@ async def _read_json(request: Request, limit: int) -> Any:
         body += piece
         if len(body) > limit:
             raise too_big
+    return bytes(body)
+
+
+def _parse_json(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -140,12 +196,26 @@ async def _client_gone(request: Request) -> None:
 class Attachment:
     """One HTTP request following one job: its events, and what happens when it leaves."""
 
-    def __init__(self, app: FastAPI, job: AsyncJob, keep_running: bool) -> None:
+    def __init__(
+        self, app: FastAPI, job: AsyncJob, keep_running: bool, admission: Admission | None
+    ) -> None:
         self.app = app
         self.job = job
         self.keep_running = keep_running
+        self.admission = admission
         self.last_sent = "0-0"
         self.finished = False
+
+    def settle(self, used: int | None) -> None:
+        """The request is over: its key's limits learn what it used (None: unknown), off
+        the request's path (it only schedules)."""
+        admission = self.admission
+        if admission is None or admission.settled:
+            return
+        admission.settled = True
+        if admission.tokens or admission.claimed:
+            limiter: RateLimiter = self.app.state.limiter
+            _background(self.app, limiter.settle(admission, used))
 
     async def attach(self) -> None:
         """A second connection to a job (a retry): counted, so that an earlier one's leaving
@@ -161,12 +231,10 @@ class Attachment:
         """The client left before the end: bookmark what it was sent, and cancel the job
         after the grace period unless another connection follows it by then. Safe to call
         from a cancelled task (it only schedules)."""
+        self.settle(None)
         if self.finished:
             return
-        task = asyncio.get_running_loop().create_task(self._leave())
-        tasks: set[asyncio.Task[None]] = self.app.state.leaving
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        _background(self.app, self._leave())
 
     async def _leave(self) -> None:
         try:
@@ -196,6 +264,21 @@ class Attachment:
             log.info("job %s: its client left before the end; cancelled", self.job.id)
         else:
             log.info("job %s: its client left; another connection follows it", self.job.id)
+
+
+def _background(app: FastAPI, work: Any) -> None:
+    """Run `work` after the answer, awaited before the gateway stops."""
+
+    async def logged() -> None:
+        try:
+            await work
+        except redis.RedisError as exc:  # a count left as it was: it lapses with its window
+            log.warning("Redis failed after a request: %s", exc)
+
+    task = asyncio.get_running_loop().create_task(logged())
+    tasks: set[asyncio.Task[None]] = app.state.leaving
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
 
 
 def _watchers_key(client: AsyncClient, job_id: str) -> str:
@@ -239,7 +322,7 @@ def _timeout(request: Request, config: GatewayConfig) -> float:
     return min(value, config.request_timeout)
 
 
-def _job_id(request: Request) -> str | None:
+def _idempotency_key(request: Request) -> str | None:
     key = request.headers.get("idempotency-key")
     if key is not None and not JOB_ID_RE.fullmatch(key):
         raise BadRequest(
@@ -248,30 +331,85 @@ def _job_id(request: Request) -> str | None:
     return key
 
 
-async def _submit(request: Request, kind: str) -> tuple[str, AsyncJob, Rendering, float]:
-    """Validate the request and queue its job (or find the job its key names); returns
-    the model, the job, the answer's form and the request's timeout."""
+@dataclass
+class Submitted:
+    """A request's job, queued (or found: its Idempotency-Key's), and how to answer."""
+
+    model: str
+    job: AsyncJob
+    form: Rendering
+    timeout: float
+    admission: Admission | None  # what the key's limits counted, to settle at the end
+
+
+async def _context(client: AsyncClient, model: str | None) -> int | None:
+    """The model's context length: what a request without max_tokens may generate."""
+    return next((m.max_model_len for m in await client.models() if m.id == model), None)
+
+
+async def _gate(
+    request: Request, principal: Principal, kwargs: dict[str, Any], job_id: str, timeout: float
+) -> AdmitGate | None:
+    """What counts the request against its key's limits and binds its Idempotency-Key to
+    the job it asks for, in the script call that submits it (None when there is nothing
+    to count or bind). The job, not the body's bytes: a retry may ask for the answer
+    another way (streamed or not, with a usage chunk or not), never for another job."""
+    keyed = request.headers.get("idempotency-key") is not None
+    policy = principal.policy
+    if not policy.limited and not keyed:
+        return None
+    tokens = 0
+    if policy.tokens_per_minute:
+        context = None
+        if kwargs.get("max_tokens", DEFAULT_MAX_TOKENS) is None:
+            context = await _context(request.app.state.client, kwargs.get("model"))
+        tokens = estimate_tokens(kwargs, context)
+    digest = None
+    if keyed:
+        job = json.dumps(kwargs, sort_keys=True, separators=(",", ":"))
+        digest = hashlib.sha256(job.encode()).hexdigest()
+    limiter: RateLimiter = request.app.state.limiter
+    return limiter.gate(principal, job_id, tokens, timeout, digest)
+
+
+async def _submit(request: Request, kind: str) -> Submitted:
+    """Validate the request and queue its job (or find the job its key names)."""
     app = request.app
     client: AsyncClient = app.state.client
     config: GatewayConfig = app.state.config
-    body = await _read_json(request, config.max_body_bytes)
+    principal: Principal = request.state.principal
+    raw = await _read_body(request, config.max_body_bytes)
+    body = _parse_json(raw)
     kwargs = to_submit_kwargs(kind, body, client.config.limits)
     form = rendering(kind, body)
-    job_id = _job_id(request)
+    principal.policy.check_priority(kwargs.get("priority", 0))
+    apply_principal(kwargs, principal)
+    key = _idempotency_key(request)
+    job_id = new_job_id() if key is None else principal.job_id(key)
     timeout = _timeout(request, config)
     if "model" not in kwargs:  # the one model served, as the client would pick it
         models = await client.models()
         if len(models) == 1:
             kwargs["model"] = models[0].id
+    gate = await _gate(request, principal, kwargs, job_id, timeout)
+    if config.log_payloads:
+        log.info("job %s: request %s", job_id, clip(raw.decode(errors="replace")))
+    limiter: RateLimiter = app.state.limiter
+    deadline = time.time() + timeout
     try:
-        job = await client.submit(job_id=job_id, deadline=time.time() + timeout, **kwargs)
-    except UnknownModel as exc:
-        raise await _missing_model(client, exc) from None
-    except QueueFull as exc:
-        raise BadRequest(str(exc), None, 429, "rate_limit_error", "queue_full") from None
-    except ProtocolError as exc:
+        job = await client.submit(job_id=job_id, deadline=deadline, gate=gate, **kwargs)
+    except (UnknownModel, QueueFull, ProtocolError) as exc:
+        if gate is not None and gate.admission is not None:  # counted, nothing queued
+            await limiter.settle(gate.admission, 0)
+        if isinstance(exc, UnknownModel):
+            raise await _missing_model(client, exc) from None
+        if isinstance(exc, QueueFull):
+            raise BadRequest(str(exc), None, 429, "rate_limit_error", "queue_full") from None
         raise job_error(exc.code, exc.message) from None
-    return kwargs["model"], job, form, timeout
+    admission = None if gate is None else gate.admission
+    if job.duplicate and admission is not None and admission.tokens:
+        await limiter.settle(admission, 0)  # another request queued it first, and pays
+    return Submitted(kwargs.get("model", ""), job, form, timeout, admission)
 
 
 async def _check_reply(client: AsyncClient, job: AsyncJob) -> None:
@@ -301,29 +439,36 @@ async def generate(request: Request, kind: str) -> Response:
     config: GatewayConfig = app.state.config
     client: AsyncClient = app.state.client
     try:
-        model, job, form, timeout = await _submit(request, kind)
+        submitted = await _submit(request, kind)
+        job, form, model = submitted.job, submitted.form, submitted.model
         keep = request.headers.get(KEEP_RUNNING, "").lower() in TRUE
-        watch = Attachment(app, job, keep)
+        watch = Attachment(app, job, keep, submitted.admission)
+        headers = {JOB_HEADER: job.id}
+        if submitted.admission is not None:
+            headers.update(submitted.admission.headers)
         after = "0-0"
         if job.duplicate:
-            await _check_reply(client, job)
-            await watch.attach()
-            if form.stream:
-                after = await _resume_point(request, client, job)
-        headers = {JOB_HEADER: job.id}
+            try:
+                await _check_reply(client, job)
+                await watch.attach()
+                if form.stream:
+                    after = await _resume_point(request, client, job)
+            except BadRequest as exc:
+                raise _Answered(exc, headers) from None
         ended = after != "0-0" and await _ended_at(client, job, after)
         # The wait is bounded by the job's deadline: the worker stops it there. The margin
         # covers a worker that died holding it (another takes it over, within a minute).
-        events = job.stream(after=after, timeout=timeout + 90)
+        events = job.stream(after=after, timeout=submitted.timeout + 90)
         handed_over = False
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             if not form.stream:
-                return await _collect(kind, job, model, form, events, gone, headers)
+                return await _collect(kind, watch, model, form, events, gone, headers)
             # The first event decides the status: an error before any token gets its own.
             first = None if ended else await _next(events, gone)
             if first is not None and (failure := _failure(first)) is not None:
                 watch.finished = True
+                watch.settle(_used(first))
                 return _error(failure, headers)
             stream = _sse(kind, job, model, form, events, first, ended, watch)
             handed_over = True
@@ -338,7 +483,10 @@ async def generate(request: Request, kind: str) -> Response:
             if not handed_over:
                 gone.cancel()
                 await events.aclose()
+                watch.settle(None)  # unless settled with its usage already
     except BadRequest as exc:
+        if isinstance(exc, Limited | _Answered):
+            return _error(exc, exc.headers)
         headers = {"Retry-After": str(config.retry_after)} if exc.status == 429 else None
         return _error(exc, headers)
     except redis.ConnectionError as exc:
@@ -347,6 +495,21 @@ async def generate(request: Request, kind: str) -> Response:
     except redis.RedisError as exc:  # answering but refusing: full, read-only, ...
         error = BadRequest(f"Redis refused: {quote(str(exc))}", None, 503, "server_error")
         return _error(error)
+
+
+class _Answered(BadRequest):
+    """A refusal after the job was found: its answer keeps the job's headers."""
+
+    def __init__(self, exc: BadRequest, headers: dict[str, str]) -> None:
+        super().__init__(exc.message, exc.param, exc.status, exc.type, exc.code)
+        self.headers = headers
+
+
+def _used(event: Event) -> int | None:
+    """The tokens a job used, from its final event (an error: none counted)."""
+    if isinstance(event, DoneEvent):
+        return event.usage.total_tokens
+    return 0 if isinstance(event, ErrorEvent) else None
 
 
 class EventStream(Response):
@@ -428,13 +591,14 @@ async def _ended_at(client: AsyncClient, job: AsyncJob, after: str) -> bool:
 
 async def _collect(
     kind: str,
-    job: AsyncJob,
+    watch: Attachment,
     model: str,
     form: Rendering,
     events: AsyncIterator[Event],
     gone: asyncio.Future[None],
     headers: dict[str, str],
 ) -> Response:
+    job = watch.job
     logprobs = Logprobs() if form.logprobs is not None else None
     while True:
         event = await _next(events, gone)
@@ -444,12 +608,19 @@ async def _collect(
             logprobs = Logprobs()
         elif isinstance(event, DoneEvent | ErrorEvent):
             break
+    watch.settle(_used(event))
     failure = _failure(event)
     if failure is not None:
         return _error(failure, headers)
     assert isinstance(event, DoneEvent)
+    _log_answer(watch.app, job.id, event)
     body = response_body(kind, job.id, model, event, int(time.time()), logprobs, form.logprobs or 0)
     return JSONResponse(body, headers=headers)
+
+
+def _log_answer(app: FastAPI, job_id: str, event: DoneEvent) -> None:
+    if app.state.config.log_payloads:
+        log.info("job %s: answer %s", job_id, clip(event.text))
 
 
 def _sse_data(obj: Any, event_id: str | None = None) -> bytes:
@@ -519,11 +690,13 @@ async def _sse(
                     break
             else:
                 watch.finished = True
+                watch.settle(_used(event))
                 failure = _failure(event)
                 if failure is not None:
                     yield _sse_data(failure.body(), event.event_id)
                     break
                 assert isinstance(event, DoneEvent)
+                _log_answer(watch.app, job.id, event)
                 reason = event.finish_reason
                 end = chunk_body(
                     kind, job.id, model, created, finish_reason=reason, include_usage=usage
@@ -602,17 +775,34 @@ def openai_router() -> APIRouter:
     return router
 
 
-def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None = None) -> FastAPI:
-    """The gateway's app: OpenAI's routes, the Files and Batches API (tokenq/server/batch_api.py),
-    the fleet's /metrics and the /dashboard page (tokenq/server/dashboard.py), and
-    `app.state.client` (an AsyncClient), `app.state.redis` (its connection) and
-    `app.state.config` for routers added later."""
-    config = config or GatewayConfig()
-    # The fleet's readers are blocking (prometheus_client collects synchronously): their
-    # own connection, run in the thread pool, with timeouts so a scrape never hangs.
-    fleet = redis.Redis.from_url(
+def _fleet_connection(config: GatewayConfig) -> redis.Redis:
+    """The fleet's readers are blocking (prometheus_client collects synchronously): their
+    own connection, run in the thread pool, with timeouts so a scrape never hangs."""
+    return redis.Redis.from_url(
         config.redis_url, socket_timeout=FLEET_TIMEOUT_S, socket_connect_timeout=FLEET_TIMEOUT_S
     )
+
+
+def _openai_errors(app: FastAPI) -> None:
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers
+        )
+
+
+def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None = None) -> FastAPI:
+    """The gateway's app: OpenAI's routes, the Files and Batches API (tokenq/server/batch_api.py),
+    the fleet's /metrics and the /dashboard page (tokenq/server/dashboard.py) unless
+    `config.admin_port` serves them (`create_admin_app`), behind `Guard`; and
+    `app.state.client` (an AsyncClient), `app.state.redis` (its connection),
+    `app.state.config` and `app.state.keys` (the KeyRing) for routers added later. Raises
+    KeyFileError when the key file cannot be read."""
+    config = config or GatewayConfig()
+    batches = batches or BatchConfig()
+    ring = key_ring(config)
+    fleet = None if config.admin_port is not None else _fleet_connection(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -626,45 +816,113 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
         )
         app.state.client = client
         app.state.redis = client.redis
+        app.state.limiter = RateLimiter(client.redis, config.namespace, client.config.job_ttl)
         app.state.leaving = set()
+        hangup = _reload_on_hangup(ring)
         await _say_where(app, client)
         try:
             yield
         finally:
+            if hangup:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             # Clients that left just before the shutdown still get their jobs cancelled.
             await asyncio.gather(*app.state.leaving, return_exceptions=True)
             await client.aclose()
-            fleet.close()
+            if fleet is not None:
+                fleet.close()
 
     app = FastAPI(title="tokenq", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
+    app.state.keys = ring
     app.state.listen = "an ASGI server"  # `serve` names its address
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers
-        )
-
+    _openai_errors(app)
     app.include_router(openai_router())
-    app.include_router(dashboard_router(fleet, config.namespace))
+    if fleet is not None:
+        app.include_router(dashboard_router(fleet, config.namespace))
     app.include_router(batch_router(batches))  # /v1/files, /v1/batches and their runner
+    app.add_middleware(
+        Guard,
+        ring=ring,
+        body=BodyLimits(upload=batches.max_file_bytes + (1 << 20), other=config.max_body_bytes),
+        admin_key=config.admin_key if fleet is not None else None,
+        admin_closed=fleet is not None and config.admin_key is None and not ring.open,
+    )
     return app
 
 
+def create_admin_app(config: GatewayConfig) -> FastAPI:
+    """/metrics, /dashboard and its data alone, for `config.admin_port`: open to whoever
+    reaches that address unless `config.admin_key` is set."""
+    fleet = _fleet_connection(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            fleet.close()
+
+    app = FastAPI(title="tokenq admin", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _openai_errors(app)
+    app.include_router(dashboard_router(fleet, config.namespace))
+    app.add_middleware(
+        Guard,
+        ring=KeyRing(),
+        body=BodyLimits(upload=1 << 10, other=1 << 10),
+        admin_key=config.admin_key,
+        admin_closed=False,
+    )
+    return app
+
+
+def _reload_on_hangup(ring: KeyRing) -> bool:
+    """SIGHUP rereads the key file, where there is one and this is the main thread."""
+    if ring.file is None:
+        return False
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, ring.reload)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+        return False
+    return True
+
+
 async def _say_where(app: FastAPI, client: AsyncClient) -> None:
-    """One line at start: where the gateway listens, which Redis and namespace it serves
-    and the models live workers serve there now."""
+    """At start: where the gateway listens, which Redis and namespace it serves and the
+    models live workers serve there now; then one warning line if it is open to anyone,
+    one if it logs payloads."""
     config: GatewayConfig = app.state.config
     where = f"Redis {redacted(config.redis_url)}, namespace {config.namespace}"
     try:
         names = [m.id for m in await client.models()]
     except redis.RedisError as exc:
         log.warning("listening on %s; %s does not answer yet: %s", app.state.listen, where, exc)
-        return
-    models = ", ".join(names) if names else "none yet (no live worker)"
-    log.info("listening on %s; %s; models: %s", app.state.listen, where, models)
+    else:
+        models = ", ".join(names) if names else "none yet (no live worker)"
+        log.info("listening on %s; %s; models: %s", app.state.listen, where, models)
+    ring: KeyRing = app.state.keys
+    if ring.open:
+        log.warning(
+            "no API key configured: anyone who reaches %s can submit jobs and read their "
+            "answers, files and batches (--api-key, --api-keys-file; docs/security.md)",
+            app.state.listen,
+        )
+    else:
+        log.info("API keys: %d", len(ring.table))
+    if config.log_payloads:
+        log.warning("--log-payloads: prompts and outputs are written to this log")
+
+
+def _quiet_server(app: FastAPI, host: str, port: int, log_level: str) -> Any:
+    """A uvicorn server that installs no signal handlers: the admin address's, stopped
+    with the main one (whose handlers stop the process)."""
+    import uvicorn
+
+    class Quiet(uvicorn.Server):
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Quiet(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False))
 
 
 def serve(
@@ -674,8 +932,9 @@ def serve(
     log_level: str = "info",
     batches: BatchConfig | None = None,
 ) -> None:
-    """Run the gateway. `log_level` is uvicorn's and the gateway's own (`tokenq.*` loggers:
-    the start line, clients that leave); requests themselves are not logged."""
+    """Run the gateway (and its admin address, if `config.admin_port`). `log_level` is
+    uvicorn's and the gateway's own (`tokenq.*` loggers: the start lines, clients that
+    leave); requests themselves are not logged, nor payloads unless `log_payloads`."""
     import uvicorn
 
     handler = logging.StreamHandler()
@@ -685,4 +944,20 @@ def serve(
     own.setLevel(log_level.upper())
     app = create_app(config, batches)
     app.state.listen = f"http://{host}:{port}"
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    main = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+    )
+    if config.admin_port is None:
+        main.run()
+        return
+    admin = _quiet_server(create_admin_app(config), config.admin_host, config.admin_port, log_level)
+
+    async def both() -> None:
+        side = asyncio.create_task(admin.serve())
+        try:
+            await main.serve()
+        finally:
+            admin.should_exit = True
+            await side
+
+    asyncio.run(both())
