@@ -4,6 +4,7 @@ computation, and the blocks the engine frees once every layer has left them behi
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests import test_kernels  # noqa: E402
 from tests.test_kernels import DEVICE, Batch, make_batch, mixed, rel_err  # noqa: E402
 from tokenq.engine.block_manager import FREED, BlockManager  # noqa: E402
 from tokenq.engine.downloads import build_dir  # noqa: E402
@@ -21,6 +23,13 @@ from tokenq.kernels import cpu_ops  # noqa: E402
 from tokenq.kernels.paged_attention import paged_attention_triton  # noqa: E402
 from tokenq.kernels.reference import paged_attention_torch, plan_attention_torch  # noqa: E402
 from tokenq.protocol.params import SamplingParams  # noqa: E402
+
+
+@pytest.fixture
+def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C kernel reads CPU tensors: its inputs are made on the CPU on a GPU host too."""
+    monkeypatch.setattr(test_kernels, "DEVICE", torch.device("cpu"))
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", torch.device("cpu"))
 
 
 @pytest.fixture
@@ -93,6 +102,7 @@ def test_torch_reference_attends_within_the_window(gen, shape, window) -> None:
 
 
 @pytest.mark.skipif(not cpu_ops.available(build_dir()), reason="no C compiler")
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "kvh{}-g{}-d{}-bs{}".format(*s))
 def test_c_kernel_attends_within_the_window(gen, shape, window) -> None:
