@@ -109,6 +109,8 @@ def run_vllm(
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
         "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB: W1 and W2 need a fraction of it
         **os.environ,
+        # the script's folder off sys.path: this package's queue.py would shadow the stdlib's
+        "PYTHONSAFEPATH": "1",
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(spec, f)
