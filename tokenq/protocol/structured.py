@@ -18,6 +18,9 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 PARAM = "structured_outputs"
 # What ``json_object`` means: any JSON object (OpenAI's JSON mode), as vLLM has it.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# Compact JSON (vLLM's disable_any_whitespace): with free whitespace a small model may emit
+# newlines until max_tokens. A schema's own "x-guidance" options override this.
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 
 def _bad(message: str, param: str) -> InvalidRequest:
@@ -61,10 +64,9 @@ def normalize(spec: Any, param: str = PARAM) -> dict[str, Any]:
 def grammar_text(spec: dict[str, Any]) -> str:
     """The llguidance grammar of a normalized spec (not yet checked: `check` compiles it)."""
     ((kind, value),) = spec.items()
-    if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(value)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT)
+    if kind in ("json", "json_object"):
+        schema = ANY_OBJECT if kind == "json_object" else value
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
