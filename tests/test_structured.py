@@ -8,6 +8,8 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import fakeredis
@@ -18,10 +20,20 @@ from lark import Lark
 
 from tests.helpers import default_model_path
 from tests.redis_fixtures import CLIENT, queue_of
+from tests.worker_support import (
+    WorkerThread,
+    check_reply,
+    fast_config,
+    make_engine,
+    single_torch_thread,  # noqa: F401
+    tiny_model,  # noqa: F401
+    wait_for,
+)
 from tokenq.engine import LLM
 from tokenq.engine.structured import GrammarCompiler
 from tokenq.producer.client import Client
-from tokenq.protocol import InvalidRequest, JobRequest, SamplingParams
+from tokenq.protocol import InvalidRequest, JobRequest, SamplingParams, TokenEvent, decode_event
+from tokenq.worker.worker import Worker
 
 S = "string"
 
@@ -214,3 +226,50 @@ def test_compiled_grammars_are_cached_and_bounded(llm: LLM) -> None:
         assert not compiler.matcher(spec).is_error()
     assert len(compiler.stats.compile_cold) == 3 and len(compiler.stats.compile_cached) == 1
     assert len(compiler._cache) == 2
+
+
+@pytest.mark.usefixtures("single_torch_thread")
+def test_a_dead_workers_structured_job_resumes_elsewhere_and_still_validates(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    """The rescuer runs the job again with a fresh matcher: it reproduces the published
+    tokens (greedy), streams only the rest, and the whole answer validates."""
+    schema = obj(
+        {
+            "answers": {
+                "type": "array",
+                "items": {"enum": ["yes", "no"]},
+                "minItems": 4,
+                "maxItems": 4,
+            }
+        }
+    )
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    job = client.submit("Vote.", max_tokens=60, temperature=0, structured_outputs={"json": schema})
+    config = fast_config(redis_namespace, claim_idle_ms=500, claim_interval_s=0.2)
+    dead = Worker(make_engine(tiny_model), client.redis, replace(config, consumer="dead"))
+    dead.register()
+
+    def published() -> int:
+        events = reply_events(client, job.id)
+        return sum(len(e.token_ids) for e in events if isinstance(e, TokenEvent))
+
+    while published() < 3:
+        dead.run_once()
+    before = published()
+    assert job.status() == "running"  # the dead worker left it mid-generation
+    rescuer = Worker(make_engine(tiny_model), client.redis, replace(config, consumer="rescuer"))
+    with WorkerThread(rescuer):
+        wait_for(lambda: job.status() == "done", timeout=60)
+    events = reply_events(client, job.id)
+    reply = check_reply(events)
+    assert not any(e.type == "restart" for e in events)
+    assert reply.done.finish_reason == "stop" and len(reply.done.token_ids) > before
+    jsonschema.validate(json.loads(reply.done.text), schema)
+    client.close()
+
+
+def reply_events(client: Client, job_id: str) -> list[Any]:
+    return [decode_event(i, f) for i, f in client.redis.xrange(client.keys.reply(job_id))]
