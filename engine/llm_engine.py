@@ -31,7 +31,7 @@ from tokenq.engine.prompts import Prompts
 from tokenq.engine.sampler import SampleResult
 from tokenq.engine.scheduler import ScheduledSeq, Scheduler
 from tokenq.engine.sequence import RequestMetrics, RequestState, Sequence
-from tokenq.engine.structured import GrammarCompiler
+from tokenq.engine.structured import GrammarCompiler, StructuredStats
 from tokenq.protocol.errors import InvalidRequest, clip, describe
 from tokenq.protocol.params import SamplingParams
 
@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 Ran = list[tuple[list[ScheduledSeq], list[SampleResult | Exception]]]
 Culprits = list[tuple[Sequence, Exception]]
 _COMPILE_POLL = 0.01  # seconds an idle step waits for a grammar to compile
+
+
+class CompileTimeout(InvalidRequest):
+    """A request's grammar compiled for longer than ``grammar_compile_timeout``."""
 
 
 class LLMEngine:
@@ -71,17 +75,18 @@ class LLMEngine:
             self.max_model_len,
             self.model_config.kv_window,
         )
+        self.counters: Counter[str] = Counter()
+        structured = StructuredStats(self.counters)
         self.grammars = GrammarCompiler(
-            self.tokenizer, self.model_config.vocab_size, config.grammar_cache_size
+            self.tokenizer, self.model_config.vocab_size, config.grammar_cache_size, structured
         )
-        self.model_runner.masks.stats = self.grammars.stats
+        self.model_runner.masks.stats = structured
         # Requests whose grammar compiles: they hold no batch slot until it is ready.
         self._compiling: dict[str, tuple[Sequence, Future[Any], float]] = {}
         self.output_processor = OutputProcessor(self.tokenizer)
         self.prompts = Prompts(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self.counters: Counter[str] = Counter()
         self._in_flight: list[ScheduledSeq] = []  # the step whose pass runs now
 
     @property
@@ -274,7 +279,7 @@ class LLMEngine:
                 if now - since > self.config.grammar_compile_timeout:
                     limit = self.config.grammar_compile_timeout
                     why = f"structured_outputs took more than {limit:g} s to compile"
-                    outputs.append(self._refuse(seq, InvalidRequest("invalid_params", why)))
+                    outputs.append(self._refuse(seq, CompileTimeout("invalid_params", why)))
                 continue
             del self._compiling[rid]
             error = future.exception()
@@ -295,7 +300,8 @@ class LLMEngine:
             seq.error, seq.error_code = exc.message, exc.code
         else:
             seq.error, seq.error_code = describe(exc), "invalid_params"
-        self.counters["structured_refused"] += 1
+        reason = "timeout" if isinstance(exc, CompileTimeout) else "compile"
+        self.counters[f"structured_refused_{reason}"] += 1
         return self._finish(seq, "error", RequestState.CANCELLED, flush=False)
 
     def _join(self) -> list[ScheduledSeq]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -23,20 +23,41 @@ from tokenq.protocol.structured import digest, grammar_text
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
+# Engine counters this module keeps (whole microseconds for times: counters are ints).
+COUNTERS = (
+    "structured_compile_cold", "structured_compile_cold_us",
+    "structured_compile_cached", "structured_compile_cached_us",
+    "structured_mask_steps", "structured_mask_us",
+)  # fmt: skip
+_SAMPLES = 100_000  # recent timings kept for percentiles (`tokenq bench structured`)
+
+
 @dataclass
 class StructuredStats:
-    """What structured outputs cost, for the worker's metrics and `tokenq bench`:
-    compile seconds (cold: built; cached: copied) and mask seconds per step."""
+    """What structured outputs cost: totals in the engine's counters (the worker's metrics
+    read them), recent samples in seconds for percentiles. Written by the compile and mask
+    threads, each its own keys, all present from the start (a dict copied by another
+    thread must not grow meanwhile)."""
 
-    compile_cold: list[float] = field(default_factory=list)
-    compile_cached: list[float] = field(default_factory=list)
-    mask: list[float] = field(default_factory=list)
+    counters: Counter[str] = field(default_factory=Counter)
+    compile_cold: deque[float] = field(default_factory=lambda: deque(maxlen=_SAMPLES))
+    compile_cached: deque[float] = field(default_factory=lambda: deque(maxlen=_SAMPLES))
+    mask: deque[float] = field(default_factory=lambda: deque(maxlen=_SAMPLES))
 
-    def drain(self) -> StructuredStats:
-        """What was recorded since the last drain, taken out (the lists stay bounded)."""
-        out = StructuredStats(self.compile_cold, self.compile_cached, self.mask)
-        self.compile_cold, self.compile_cached, self.mask = [], [], []
-        return out
+    def __post_init__(self) -> None:
+        for name in COUNTERS:
+            self.counters.setdefault(name, 0)
+
+    def compiled(self, seconds: float, cached: bool) -> None:
+        kind = "cached" if cached else "cold"
+        (self.compile_cached if cached else self.compile_cold).append(seconds)
+        self.counters[f"structured_compile_{kind}"] += 1
+        self.counters[f"structured_compile_{kind}_us"] += round(seconds * 1e6)
+
+    def masked(self, seconds: float) -> None:
+        self.mask.append(seconds)
+        self.counters["structured_mask_steps"] += 1
+        self.counters["structured_mask_us"] += round(seconds * 1e6)
 
 
 class GrammarCompiler:
@@ -45,7 +66,13 @@ class GrammarCompiler:
     each request gets a copy of it. The llguidance tokenizer (about 0.4 s to build for a 49k
     vocabulary) is built once, on that thread, on first use."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        cache_size: int = 256,
+        stats: StructuredStats | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._ll: llguidance.LLTokenizer | None = None
@@ -54,7 +81,7 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenq-grammar")
-        self.stats = StructuredStats()
+        self.stats = stats or StructuredStats()
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
@@ -80,7 +107,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
         if template is not None:
             matcher = template.deep_copy()
-            self.stats.compile_cached.append(time.perf_counter() - start)
+            self.stats.compiled(time.perf_counter() - start, cached=True)
             return matcher
         template = llguidance.LLMatcher(tok, grammar_text(spec), log_level=0)
         if template.is_error():
@@ -95,7 +122,7 @@ class GrammarCompiler:
             self._cache[key] = template
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        self.stats.compile_cold.append(time.perf_counter() - start)
+        self.stats.compiled(time.perf_counter() - start, cached=False)
         return template.deep_copy()
 
     def close(self) -> None:
@@ -123,7 +150,7 @@ class MaskFiller:
         bitmask = llnp.allocate_token_bitmask(n, self.vocab_size)
         for matcher, i in rows:
             llnp.fill_next_token_bitmask(matcher, bitmask, i)
-        self.stats.mask.append(time.perf_counter() - start)
+        self.stats.masked(time.perf_counter() - start)
         return bitmask
 
     def allowed(

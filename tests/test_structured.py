@@ -268,6 +268,12 @@ def test_a_dead_workers_structured_job_resumes_elsewhere_and_still_validates(
     assert not any(e.type == "restart" for e in events)
     assert reply.done.finish_reason == "stop" and len(reply.done.token_ids) > before
     jsonschema.validate(json.loads(reply.done.text), schema)
+    scrape = rescuer.metrics.registry.get_sample_value
+    assert scrape("tokenq:structured_requests_total", {"model": "tiny"}) == 1
+    assert scrape("tokenq:structured_mask_seconds_count", {"model": "tiny"}) > 0
+    compiles = {"model": "tiny", "cache": "cold"}
+    assert scrape("tokenq:structured_compile_seconds_count", compiles) == 1
+    assert scrape("tokenq:structured_rejections_total", {"model": "tiny", "reason": "timeout"}) == 0
     client.close()
 
 
