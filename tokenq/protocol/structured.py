@@ -64,6 +64,13 @@ def normalize(spec: Any, param: str = PARAM) -> dict[str, Any]:
 def grammar_text(spec: dict[str, Any]) -> str:
     """The llguidance grammar of a normalized spec (not yet checked: `check` compiles it)."""
     ((kind, value),) = spec.items()
+    try:
+        return _grammar_text(kind, value)
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise _bad(f"{PARAM}.{kind}: {clip(str(exc), 300)}", PARAM) from None
+
+
+def _grammar_text(kind: str, value: Any) -> str:
     if kind in ("json", "json_object"):
         schema = ANY_OBJECT if kind == "json_object" else value
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
@@ -71,10 +78,7 @@ def grammar_text(spec: dict[str, Any]) -> str:
         return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
         return llguidance.grammar_from("choice", value)
-    try:
-        return llguidance.grammar_from("grammar", value)  # Lark, or GBNF converted to it
-    except ValueError as exc:
-        raise _bad(f"{PARAM}.grammar: {clip(str(exc), 300)}", PARAM) from None
+    return llguidance.grammar_from("grammar", value)  # Lark, or GBNF converted to it
 
 
 def check(spec: Any, param: str = PARAM) -> dict[str, Any]:
