@@ -309,8 +309,7 @@ def _structured(body: dict[str, Any]) -> dict[str, Any]:
             given = {"json": inner["schema"]}
         else:
             raise BadRequest(
-                "response_format.type must be text, json_object or json_schema, got "
-                f"{quote(kind)}",
+                f"response_format.type must be text, json_object or json_schema, got {quote(kind)}",
                 param,
             )
     elif given is not None:
