@@ -30,9 +30,12 @@ from tests.worker_support import (
     wait_for,
 )
 from tokenq.engine import LLM
+from tokenq.engine.outputs import RequestDelta
+from tokenq.engine.sequence import RequestMetrics
 from tokenq.engine.structured import GrammarCompiler
 from tokenq.producer.client import Client
 from tokenq.protocol import InvalidRequest, JobRequest, SamplingParams, TokenEvent, decode_event
+from tokenq.worker import pipe
 from tokenq.worker.worker import Worker
 
 S = "string"
@@ -279,3 +282,21 @@ def test_a_dead_workers_structured_job_resumes_elsewhere_and_still_validates(
 
 def reply_events(client: Client, job_id: str) -> list[Any]:
     return [decode_event(i, f) for i, f in client.redis.xrange(client.keys.reply(job_id))]
+
+
+def test_a_refusals_code_crosses_the_pipe_to_the_queue_process() -> None:
+    """The two-process worker sends deltas as tuples: the code must survive the trip."""
+    refused = RequestDelta(
+        "j",
+        [],
+        "",
+        True,
+        "error",
+        3,
+        0,
+        RequestMetrics(0.0),
+        error="no",
+        error_code="invalid_params",
+    )
+    (back,) = pipe.to_wire([[refused]])[0]
+    assert pipe.from_wire(back).error_code == "invalid_params"
