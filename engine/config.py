@@ -392,9 +392,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     num_threads: int | None = None
+    # Structured outputs: compiled grammars kept (LRU), and how long a job's grammar may
+    # compile before the job ends with invalid_params.
+    grammar_cache_size: int = 256
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "grammar_cache_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.dtype not in _DTYPES and self.dtype != "auto":

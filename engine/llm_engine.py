@@ -14,6 +14,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from tokenq.engine.prompts import Prompts
 from tokenq.engine.sampler import SampleResult
 from tokenq.engine.scheduler import ScheduledSeq, Scheduler
 from tokenq.engine.sequence import RequestMetrics, RequestState, Sequence
+from tokenq.engine.structured import GrammarCompiler, StructuredStats
 from tokenq.protocol.errors import InvalidRequest, clip, describe
 from tokenq.protocol.params import SamplingParams
 
@@ -38,6 +40,11 @@ logger = logging.getLogger(__name__)
 # Parts of a batch that ran, each with its sampled tokens; requests whose pass failed alone.
 Ran = list[tuple[list[ScheduledSeq], list[SampleResult | Exception]]]
 Culprits = list[tuple[Sequence, Exception]]
+_COMPILE_POLL = 0.01  # seconds an idle step waits for a grammar to compile
+
+
+class CompileTimeout(InvalidRequest):
+    """A request's grammar compiled for longer than ``grammar_compile_timeout``."""
 
 
 class LLMEngine:
@@ -68,11 +75,18 @@ class LLMEngine:
             self.max_model_len,
             self.model_config.kv_window,
         )
+        self.counters: Counter[str] = Counter()
+        structured = StructuredStats(self.counters)
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.model_config.vocab_size, config.grammar_cache_size, structured
+        )
+        self.model_runner.masks.stats = structured
+        # Requests whose grammar compiles: they hold no batch slot until it is ready.
+        self._compiling: dict[str, tuple[Sequence, Future[Any], float]] = {}
         self.output_processor = OutputProcessor(self.tokenizer)
         self.prompts = Prompts(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self.counters: Counter[str] = Counter()
         self._in_flight: list[ScheduledSeq] = []  # the step whose pass runs now
 
     @property
@@ -135,7 +149,12 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
         )
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if params.structured_outputs is not None:
+            future = self.grammars.submit(params.structured_outputs)
+            self._compiling[request_id] = (seq, future, time.monotonic())
+            self.counters["structured_requests"] += 1
+        else:
+            self.scheduler.add(seq)
         self.output_processor.add_request(seq)
         self.counters["requests_added"] += 1
 
@@ -210,13 +229,15 @@ class LLMEngine:
         and run ``step_ahead`` (and nothing else of this engine's). Requests it added that
         the step has room for then join the pass there (``Scheduler.schedule_join``).
         """
-        outputs = self._expire_deadlines()
+        outputs = self._expire_deadlines() + self._admit_compiled()
         sched = self.scheduler.schedule()
         causes = Counter(sched.preempted.values())
         self.counters["preemptions"] += len(sched.preempted)
         self.counters["preemptions_kv_cache"] += causes["kv_cache"]
         self.counters["preemptions_priority"] += causes["priority"]
         if not sched.scheduled:
+            if self._compiling:  # nothing else to do: wait a little for a grammar
+                wait([f for _, f, _ in self._compiling.values()], _COMPILE_POLL, FIRST_COMPLETED)
             return outputs
         self._in_flight = sched.scheduled
         join = None if sched.preempted else self._join
@@ -246,6 +267,42 @@ class LLMEngine:
         except StepFailed as exc:
             ran, culprits = [], [(s.seq, exc) for s in sched.scheduled]
         return self._deltas(ran, culprits)
+
+    def _admit_compiled(self) -> list[RequestDelta]:
+        """Requests whose grammar is ready join the scheduler (their matcher first consumes
+        any output they already hold); those whose grammar failed, or compiled for longer
+        than ``grammar_compile_timeout``, end with ``invalid_params``."""
+        outputs: list[RequestDelta] = []
+        now = time.monotonic()
+        for rid, (seq, future, since) in list(self._compiling.items()):
+            if not future.done():
+                if now - since > self.config.grammar_compile_timeout:
+                    limit = self.config.grammar_compile_timeout
+                    why = f"structured_outputs took more than {limit:g} s to compile"
+                    outputs.append(self._refuse(seq, CompileTimeout("invalid_params", why)))
+                continue
+            del self._compiling[rid]
+            error = future.exception()
+            if error is not None:
+                outputs.append(self._refuse(seq, error))
+                continue
+            seq.grammar = future.result()
+            if seq.output_token_ids and not seq.grammar.consume_tokens(seq.output_token_ids):
+                outputs.append(self._refuse(seq, ValueError(seq.grammar.get_error())))
+                continue
+            self.scheduler.add(seq)
+        return outputs
+
+    def _refuse(self, seq: Sequence, exc: BaseException) -> RequestDelta:
+        """End a request whose grammar could not be built, before it ran."""
+        self._compiling.pop(seq.request_id, None)
+        if isinstance(exc, InvalidRequest):
+            seq.error, seq.error_code = exc.message, exc.code
+        else:
+            seq.error, seq.error_code = describe(exc), "invalid_params"
+        reason = "timeout" if isinstance(exc, CompileTimeout) else "compile"
+        self.counters[f"structured_refused_{reason}"] += 1
+        return self._finish(seq, "error", RequestState.CANCELLED, flush=False)
 
     def _join(self) -> list[ScheduledSeq]:
         """Between two layers of the step in flight: waiting requests that join it."""
@@ -340,6 +397,11 @@ class LLMEngine:
         token = result.token_id
         seq.append_token(token)
         self.counters["generation_tokens"] += 1
+        grammar_done = False
+        if seq.grammar is not None:
+            if not seq.grammar.consume_token(token):
+                raise ValueError(f"the grammar refused token {token}: {seq.grammar.get_error()}")
+            grammar_done = seq.grammar.is_stopped()  # nothing may follow: complete
         p = seq.params
         stop_token = seq.num_output_tokens > p.min_tokens and (
             (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
@@ -347,7 +409,7 @@ class LLMEngine:
         stop_string = self.output_processor.add_token(
             seq, token, result.logprobs, find_stop=not stop_token
         )
-        if stop_token or stop_string:
+        if stop_token or stop_string or grammar_done:
             # Text cut at a stop string is final: nothing after it is flushed.
             return self._finish(seq, "stop", RequestState.COMPLETED, flush=not stop_string)
         if (
@@ -372,6 +434,9 @@ class LLMEngine:
             self.output_processor.flush(seq)
         seq.finish_reason = reason
         seq.transition(state)
+        compiling = self._compiling.pop(seq.request_id, None)
+        if compiling is not None:
+            compiling[1].cancel()
         self.scheduler.remove(seq)
         del self.requests[seq.request_id]
         self.counters[f"finished_{reason}"] += 1

@@ -18,6 +18,7 @@ from tokenq.engine.model import CausalLM, Join, ModelInputs
 from tokenq.engine.sampler import SampleResult, sample
 from tokenq.engine.scheduler import ScheduledSeq
 from tokenq.engine.sequence import Sequence
+from tokenq.engine.structured import MaskFiller, StructuredStats
 from tokenq.kernels import cpu_ops
 from tokenq.kernels.reference import argmax_rows_torch
 
@@ -72,6 +73,7 @@ class ModelRunner:
         # Greedy rows' argmax over the vocabulary: torch's took 3.3 ms a decode step of 64
         # rows on the CPU (a quarter of a tiny model's step), the C kernel 0.6 ms.
         self.argmax = cpu_ops.argmax_rows_cpu if self.backend.name == "cpu" else argmax_rows_torch
+        self.masks = MaskFiller(mc.vocab_size, StructuredStats())  # the engine shares its stats
 
     def run(
         self,
@@ -87,6 +89,7 @@ class ModelRunner:
         requests (if any) that join the pass there: they are appended to ``scheduled``, so
         that the caller books them with the rest."""
         inputs = self._inputs(scheduled)
+        masks = self.masks.start([s.seq.grammar for s in scheduled if s.samples])
         hook = between_layers
         if between_layers is not None and join is not None:
             merged = inputs
@@ -111,7 +114,8 @@ class ModelRunner:
             hook,
         )
         logits = logits.to("cpu", torch.float32)
-        return self._sample([s.seq for s in scheduled if s.samples], logits)
+        seqs = [s.seq for s in scheduled if s.samples]
+        return self._sample(seqs, logits, self.masks.allowed(masks, [q.grammar for q in seqs]))
 
     def _inputs(self, scheduled: list[ScheduledSeq]) -> ModelInputs:
         """The batch's tokens as one flat row, with what attention needs to find each
@@ -162,7 +166,9 @@ class ModelRunner:
             t(input_ids, torch.long), t(positions, torch.long), meta, t(logits_indices, torch.long)
         )
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampleResult | Exception]:
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor, allowed: list[torch.Tensor | None]
+    ) -> list[SampleResult | Exception]:
         """One token per request, batched; if that raises, row by row, so that a row that
         cannot be sampled fails only its own request."""
         if not seqs:
@@ -175,11 +181,16 @@ class ModelRunner:
                 [q.output_token_ids for q in seqs],
                 [self._banned(q) for q in seqs],
                 self.argmax,
+                allowed,
             )
         except Exception:
-            return [self._sample_alone(q, logits[i : i + 1]) for i, q in enumerate(seqs)]
+            return [
+                self._sample_alone(q, logits[i : i + 1], allowed[i]) for i, q in enumerate(seqs)
+            ]
 
-    def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> SampleResult | Exception:
+    def _sample_alone(
+        self, seq: Sequence, logits: torch.Tensor, allowed: torch.Tensor | None
+    ) -> SampleResult | Exception:
         try:
             banned = self._banned(seq)
             return sample(
@@ -189,6 +200,7 @@ class ModelRunner:
                 [seq.output_token_ids],
                 [banned],
                 self.argmax,
+                [allowed],
             )[0]
         except Exception as exc:
             return exc

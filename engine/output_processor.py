@@ -183,6 +183,7 @@ class OutputProcessor:
             text=state.text if finished else None,
             token_ids=list(seq.output_token_ids) if finished else None,
             error=seq.error,
+            error_code=seq.error_code,
         )
 
 

@@ -30,6 +30,9 @@ class RequestDelta:
     # Why the request failed, when finish_reason is "error" (exception type and message,
     # clipped); the other requests of its step were not affected.
     error: str | None = None
+    # The client's error code when the request itself was at fault (a grammar that does not
+    # compile: invalid_params); None for the engine's own failures.
+    error_code: str | None = None
 
 
 @dataclass

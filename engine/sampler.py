@@ -93,12 +93,17 @@ def _sample_row(
     prompt: list[int],
     output: list[int],
     banned: list[int],
+    allowed: torch.Tensor | None = None,
 ) -> SampleResult:
     """One token from one row, whatever the (valid) parameters: the adjusted logits are made
     finite before anything ranks or samples them, and a row left with no candidate at all
-    falls back to the raw logits' best token that is not banned."""
+    falls back to the raw logits' best token that the grammar allows and, if any such token
+    is not banned, that is not banned. ``allowed`` is the grammar's mask: applied after the
+    log-probabilities are taken (they are the model's own), before everything else."""
     p = params
     raw = torch.log_softmax(logits, -1) if p.logprobs is not None else None
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, _NEG_INF)
     row = logits.clone()
     if p.logit_bias:  # one indexed add: a bias on every token must not cost a Python loop
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
@@ -115,7 +120,9 @@ def _sample_row(
     if bool(torch.isneginf(row).all()):
         fallback = logits.nan_to_num(nan=_NEG_INF)
         if ban is not None:
-            fallback = fallback.masked_fill(ban, _NEG_INF)
+            unbanned = fallback.masked_fill(ban, _NEG_INF)
+            if allowed is None or not bool(torch.isneginf(unbanned).all()):
+                fallback = unbanned
         tok = int(fallback.argmax())
     elif p.greedy:
         tok = int(row.argmax())
@@ -138,14 +145,22 @@ def sample(
     outputs: list[list[int]],
     banned: list[list[int]],
     argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_rows_torch,
+    allowed: list[torch.Tensor | None] | None = None,
 ) -> list[SampleResult]:
     """One token per row of ``logits`` ``[num_seqs, vocab]``.
 
     ``banned[i]`` are tokens row i may not produce now (EOS and stop ids before
-    ``min_tokens``). Rows with nothing to adjust and greedy decoding take a batched
-    ``argmax`` (each row's first maximum: the C kernel where the engine runs on them).
+    ``min_tokens``); ``allowed[i]``, if not None, the only tokens its grammar admits, for
+    every sampling mode. Rows with nothing to adjust and greedy decoding take a batched
+    ``argmax`` (each row's first maximum: the C kernel where the engine runs on them); a
+    constrained row without logprobs or bans is masked in place first, so it can be one of them.
     """
     logits = logits.float()
+    masks = list(allowed) if allowed else [None] * len(params)
+    for i, mask in enumerate(masks):
+        if mask is not None and params[i].logprobs is None and not banned[i]:
+            logits[i].masked_fill_(~mask, _NEG_INF)
+            masks[i] = None
     results: list[SampleResult | None] = [None] * len(params)
     plain = [
         i
@@ -164,5 +179,5 @@ def sample(
             results[i] = SampleResult(tok, None)
     for i, p in enumerate(params):
         if results[i] is None:
-            results[i] = _sample_row(logits[i], p, prompts[i], outputs[i], banned[i])
+            results[i] = _sample_row(logits[i], p, prompts[i], outputs[i], banned[i], masks[i])
     return results  # type: ignore[return-value]

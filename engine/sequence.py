@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from tokenq.engine.errors import InvalidTransition
 from tokenq.protocol.params import SamplingParams
@@ -93,6 +94,10 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: str | None = None  # what made the engine fail this request, if it did
+    error_code: str | None = None  # the client's code for that failure, when not internal
+    # The llguidance matcher of a request with structured outputs: it has consumed every
+    # output token, so it lives through preemption (the output is kept) unchanged.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

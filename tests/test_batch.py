@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import redis
 
@@ -39,6 +41,18 @@ from tokenq.producer.client import Client
 from tokenq.protocol import Keys
 
 MAX_TOKENS = 4
+VERDICT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "verdict",
+        "schema": {
+            "type": "object",
+            "properties": {"answer": {"enum": ["yes", "no"]}},
+            "required": ["answer"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def request_line(i: int, **body: Any) -> dict[str, Any]:
@@ -203,6 +217,10 @@ def test_malformed_lines_are_reported_with_their_line_numbers_and_the_rest_is_do
     worker: WorkerProcess, redis_url: str, redis_namespace: str, tmp_path: Path
 ) -> None:
     good = [request_line(i) for i in range(20)]
+    # Structured outputs in a line's body, as the gateway takes them.
+    good[0] = request_line(0, max_tokens=40, response_format=VERDICT)
+    good[1] = request_line(1, max_tokens=8, structured_outputs={"regex": "[0-9]{3}"})
+    unenforceable = {"type": "json_schema", "json_schema": {"schema": {"uniqueItems": True}}}
     lines: list[dict[str, Any] | str] = [
         *good[:5],
         "{not json",  # line 6
@@ -214,6 +232,7 @@ def test_malformed_lines_are_reported_with_their_line_numbers_and_the_rest_is_do
         {**request_line(3)},  # 12: custom_id of line 4 again
         request_line(105, prompt="many words " * 3000),  # 13: the worker refuses it
         *good[5:],
+        request_line(106, response_format=unenforceable),  # 29: refused before it is submitted
     ]
     source = write_batch(tmp_path / "in.jsonl", lines)
     with source.open("a") as f:
@@ -233,7 +252,13 @@ def test_malformed_lines_are_reported_with_their_line_numbers_and_the_rest_is_do
     assert by_line[9]["error"]["code"] == "invalid_request"
     assert by_line[10]["error"]["code"] == "invalid_method"
     answered = {r["custom_id"]: r for r in failed if r["error"] is None}
-    assert set(answered) == {"req-103", "req-3", "req-105"}
+    assert set(answered) == {"req-103", "req-3", "req-105", "req-106"}
+    unenforced = answered["req-106"]["response"]["body"]["error"]
+    assert unenforced["param"] == "response_format" and "uniqueItems" in unenforced["message"]
+    by_id = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in records(out)}
+    verdict = json.loads(by_id["req-0"]["message"]["content"])
+    jsonschema.validate(verdict, VERDICT["json_schema"]["schema"])
+    assert re.fullmatch("[0-9]{3}", by_id["req-1"]["text"])
     refused = answered["req-103"]["response"]
     assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "temperature"
     too_long = answered["req-105"]["response"]
@@ -242,14 +267,14 @@ def test_malformed_lines_are_reported_with_their_line_numbers_and_the_rest_is_do
     assert too_long["request_id"] == job_id_for(scan_input(source)[0], "req-105")
     duplicate = answered["req-3"]["response"]["body"]["error"]
     assert duplicate["code"] == "duplicate_custom_id" and "line 12" in duplicate["message"]
-    assert "20 done, 8 failed" in done.stderr
+    assert "20 done, 9 failed" in done.stderr
 
     # A re-run reports nothing twice.
     again = run_batch(redis_url, redis_namespace, source, out, "--errors", str(errors))
-    assert "0 done, 0 failed, 28 answered before" in again.stderr, again.stderr[-2000:]
-    assert len(records(errors)) == 8
+    assert "0 done, 0 failed, 29 answered before" in again.stderr, again.stderr[-2000:]
+    assert len(records(errors)) == 9
     # Its status describes the whole batch, resumed or not: lines failed.
-    assert "(8 of them failed)" in again.stderr, again.stderr[-2000:]
+    assert "(9 of them failed)" in again.stderr, again.stderr[-2000:]
     assert again.returncode == 1, again.stderr[-3000:]
 
 

@@ -14,7 +14,7 @@ from tokenq.bench.main import TARGETS
 from tokenq.cli import main as tokenq
 from tokenq.cli.worker import ENGINE_OPTIONS
 
-ENGINE_TARGETS = ("engine", "queue", "gateway", "batch", "fleet", "invariance")
+ENGINE_TARGETS = ("engine", "queue", "gateway", "batch", "fleet", "invariance", "structured")
 
 
 @pytest.mark.parametrize("target", TARGETS)

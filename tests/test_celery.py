@@ -7,6 +7,7 @@ alike, `global_keyprefix`), consumes a queue of its own and deletes only those k
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import redis
 from celery import Celery, chord, group
@@ -466,3 +468,23 @@ def test_without_celery_the_command_says_what_to_install() -> None:
     assert done.stderr.strip().splitlines() == [
         "tokenq: celery is not installed: pip install 'tokenq[celery]'"
     ]
+
+
+@engine_threads
+def test_a_structured_task_validates_and_an_unenforceable_one_fails_at_the_door(
+    shared: Stack,
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"river": {"enum": ["Nile", "Amazon"]}, "long": {"type": "boolean"}},
+        "required": ["river", "long"],
+        "additionalProperties": False,
+    }
+    good = shared.send(prompt="A river?", max_tokens=40, structured_outputs={"json": schema})
+    bad = shared.send(prompt="x", structured_outputs={"json": {"uniqueItems": True}})
+    result = good.get(timeout=30)
+    assert result["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(result["text"]), schema)
+    error = bad.get(timeout=30, propagate=False)
+    assert isinstance(error, JobFailed) and error.code == "invalid_params"
+    assert "uniqueItems" in error.message

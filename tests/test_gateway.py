@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import redis
@@ -223,6 +224,34 @@ def test_chat_stream_with_usage(gateway: GatewayProcess, client: Client) -> None
     assert finish == [direct.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(direct.token_ids)
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_response_format_json_schema_and_structured_outputs_hold(gateway: GatewayProcess) -> None:
+    """The random tiny model left alone writes no JSON; constrained, every answer parses and
+    validates (the schema is short: its enum and booleans leave little to sample)."""
+    sdk = gateway.sdk(max_retries=0)
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+        "required": ["answer", "sure"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
+    out = sdk.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, response_format=fmt
+    )
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    choice = sdk.completions.create(
+        model=MODEL, prompt="Pick:", max_tokens=8, temperature=1.0, seed=5,
+        extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}},
+    )  # fmt: skip
+    assert choice.choices[0].text in ("red", "green", "blue")
+    with pytest.raises(openai.BadRequestError) as info:
+        bad = {"type": "json_schema", "json_schema": {"schema": {"uniqueItems": True}}}
+        sdk.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=bad)
+    assert info.value.body["param"] == "response_format"
+    assert "uniqueItems" in info.value.body["message"]
 
 
 def test_completion_stream_raw_sse(gateway: GatewayProcess) -> None:

@@ -135,7 +135,17 @@ def test_chat_messages_and_token_limits() -> None:
         ),
         (chat(messages=["hi"]), "messages[0]"),
         (chat(tools=[{"type": "function"}]), "tools"),
-        (chat(response_format={"type": "json_object"}), "response_format"),
+        (chat(response_format={"type": "json_schema", "json_schema": {}}), "response_format"),
+        (chat(response_format={"type": "xml"}), "response_format"),
+        (
+            chat(response_format={"type": "json_schema", "json_schema": {"schema": {"if": {}}}}),
+            "response_format",
+        ),
+        (chat(structured_outputs={"regex": "(?=a)"}), "structured_outputs"),
+        (
+            chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+            "response_format",
+        ),
         (chat(n=2), "n"),
         (chat(max_tokens=0), "max_tokens"),
         (chat(max_tokens=4, max_completion_tokens=5), "max_tokens"),
@@ -409,3 +419,21 @@ def test_any_json_body_is_a_job_or_a_400_never_another_exception(kind: str, body
         make_request(**kwargs).validate()
     except InvalidRequest as exc:
         assert exc.code and exc.message
+
+
+def test_response_format_and_vllms_structured_outputs_become_the_jobs_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert to_submit_kwargs("chat", chat(response_format=fmt))["structured_outputs"] == {
+        "json": schema
+    }
+    prompt = {"model": "m", "prompt": "hi"}
+    json_mode = to_submit_kwargs(
+        "completions", {**prompt, "response_format": {"type": "json_object"}}
+    )
+    assert json_mode["structured_outputs"] == {"json_object": True}
+    extra = to_submit_kwargs("completions", {**prompt, "structured_outputs": {"choice": ["a"]}})
+    assert extra["structured_outputs"] == {"choice": ["a"]}
+    assert "structured_outputs" not in to_submit_kwargs(
+        "chat", chat(response_format={"type": "text"})
+    )

@@ -19,7 +19,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -81,6 +86,51 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, help, labels=["model"])
             counter.add_metric([self.model], value)
             yield counter
+        yield from self._structured(counters)
+
+    def _structured(self, counters: dict[str, int]) -> Iterator[Metric]:
+        """Structured outputs: requests, grammar compile and mask times, refusals."""
+        requests = CounterMetricFamily(
+            PREFIX + "structured_requests",
+            "Requests with structured_outputs (JSON Schema, regex, choice, grammar).",
+            labels=["model"],
+        )
+        requests.add_metric([self.model], counters.get("structured_requests", 0))
+        yield requests
+        compile_time = SummaryMetricFamily(
+            PREFIX + "structured_compile_seconds",
+            "Time to build a request's grammar matcher: cold (compiled) or cached (copied).",
+            labels=["model", "cache"],
+        )
+        for cache in ("cold", "cached"):
+            compile_time.add_metric(
+                [self.model, cache],
+                counters.get(f"structured_compile_{cache}", 0),
+                counters.get(f"structured_compile_{cache}_us", 0) / 1e6,
+            )
+        yield compile_time
+        mask = SummaryMetricFamily(
+            PREFIX + "structured_mask_seconds",
+            "Time per step to fill the token masks of its constrained requests (while the "
+            "forward pass runs).",
+            labels=["model"],
+        )
+        mask.add_metric(
+            [self.model],
+            counters.get("structured_mask_steps", 0),
+            counters.get("structured_mask_us", 0) / 1e6,
+        )
+        yield mask
+        refused = CounterMetricFamily(
+            PREFIX + "structured_rejections",
+            "Requests ended with invalid_params by the worker because their grammar did not "
+            "compile (reason compile) or compiled past the time limit (timeout).",
+            labels=["model", "reason"],
+        )
+        for reason in ("compile", "timeout"):
+            value = counters.get(f"structured_refused_{reason}", 0)
+            refused.add_metric([self.model, reason], value)
+        yield refused
 
 
 def observe_many(hist: Histogram, values: Iterable[float]) -> None:

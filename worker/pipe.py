@@ -45,7 +45,7 @@ def _delta_fields(d: RequestDelta) -> tuple[Any, ...]:
     return (
         d.request_id, d.new_token_ids, d.new_text, d.finished, d.finish_reason,
         d.prompt_tokens, d.completion_tokens, metrics, d.logprobs, d.text, d.token_ids,
-        d.error,
+        d.error, d.error_code,
     )  # fmt: skip
 
 

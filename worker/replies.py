@@ -140,7 +140,7 @@ class Continuation:
             return events
         if out.finish_reason == "error":
             message = out.error or "the engine failed on this job"
-            return [*events, ErrorEvent(ENGINE_FAILURE, message, metadata)]
+            return [*events, ErrorEvent(out.error_code or ENGINE_FAILURE, message, metadata)]
         m = out.metrics
         done = DoneEvent(
             text=out.text if out.text is not None else self.text,

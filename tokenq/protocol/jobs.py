@@ -176,7 +176,7 @@ class JobRequest:
         try:
             check_sizes(self.params, limits)
         except InvalidRequest as exc:
-            raise bad(exc.message, exc.code) from None
+            raise ProtocolError(exc.code, exc.message, self.job_id, exc.param) from None
 
     def payload(self) -> dict[str, Any]:
         """The msgpack map, without absent optional fields."""

@@ -28,6 +28,7 @@ class Limits:
     max_stop_token_ids: int = 1024
     max_logit_bias: int = 1024  # entries
     max_metadata_bytes: int = 64 << 10  # metadata, packed
+    max_structured_chars: int = 256 << 10  # structured_outputs, as JSON text
 
     def __post_init__(self) -> None:
         for name, value in dataclasses.asdict(self).items():

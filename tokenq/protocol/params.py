@@ -5,12 +5,14 @@ messages that the gateway (which maps OpenAI's names onto these) and the worker 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenq.protocol.errors import InvalidRequest, clip, quote
 from tokenq.protocol.limits import DEFAULT_LIMITS, Limits
+from tokenq.protocol.structured import check as check_structured
 
 # vLLM's _MAX_TEMP: a positive temperature below this is raised to it (as vLLM does), since
 # dividing logits by less only overflows them while sampling is already all but greedy.
@@ -66,6 +68,10 @@ class SamplingParams:
 
     Token ids (``stop_token_ids``, ``logit_bias`` keys) are checked against the vocabulary
     by ``LLMEngine.add_request``, which knows it.
+
+    ``structured_outputs`` constrains the output, as vLLM's: exactly one of ``json`` (a
+    JSON Schema), ``json_object``, ``regex``, ``choice`` or ``grammar``; it must compile
+    with llguidance (tokenq/protocol/structured.py) and is kept in its normalized form.
     """
 
     n: int = 1
@@ -85,6 +91,7 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     detokenize: bool = True
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -147,6 +154,8 @@ class SamplingParams:
         self.logit_bias = {
             _bias_token(key): _bias_value(key, value) for key, value in self.logit_bias.items()
         }
+        if self.structured_outputs is not None:
+            self.structured_outputs = check_structured(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -186,8 +195,9 @@ def _check_names(params: Any) -> None:
 def check_sizes(params: Any, limits: Limits = DEFAULT_LIMITS) -> None:
     """A job's ``params`` before any value is read: a mapping of known names whose
     ``stop``, ``stop_token_ids`` and ``logit_bias`` are within ``limits``, so that a
-    hostile entry costs a few length checks. The client, the gateway and the worker all
-    check this; values are `SamplingParams`'s to check."""
+    hostile entry costs a few length checks; then ``structured_outputs``, compiled, so that
+    a constraint that cannot be enforced never reaches Redis. The client, the gateway and
+    the worker all check this; values are `SamplingParams`'s to check."""
     _check_names(params)
     stop = params.get("stop")
     if isinstance(stop, list):
@@ -204,6 +214,23 @@ def check_sizes(params: Any, limits: Limits = DEFAULT_LIMITS) -> None:
         value = params.get(name)
         if isinstance(value, list | dict) and len(value) > bound:
             raise _bad(name, f"{len(value)} entries (limit {bound})")
+    structured = params.get("structured_outputs")
+    if structured is not None:
+        _check_structured_size(structured, limits)
+        check_structured(structured)
+
+
+def _check_structured_size(spec: Any, limits: Limits) -> None:
+    """The spec's size as JSON text, before llguidance reads it."""
+    try:
+        size = len(json.dumps(spec, ensure_ascii=False))
+    except (TypeError, ValueError) as exc:
+        raise _bad("structured_outputs", f"must be JSON: {clip(str(exc))}") from None
+    if size > limits.max_structured_chars:
+        raise _bad(
+            "structured_outputs",
+            f"{size} characters as JSON (limit {limits.max_structured_chars})",
+        )
 
 
 def _bias_token(key: Any) -> int:

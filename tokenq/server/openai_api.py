@@ -37,6 +37,7 @@ from tokenq.protocol import (
     lane_of,
     quote,
 )
+from tokenq.protocol.structured import check as check_structured
 
 COMPLETIONS, CHAT = "completions", "chat"
 KINDS = (COMPLETIONS, CHAT)
@@ -67,6 +68,8 @@ _COMMON = frozenset(
         "ignore_eos",
         "priority",
         "lane",
+        "response_format",  # text, json_object, json_schema
+        "structured_outputs",  # vLLM's extra body field
     }
 )
 FIELDS = {
@@ -76,7 +79,6 @@ FIELDS = {
         "messages",
         "max_completion_tokens",
         "top_logprobs",
-        "response_format",
         "tools",
         "tool_choice",
         "parallel_tool_calls",
@@ -286,10 +288,41 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def _chat_only(body: dict[str, Any]) -> None:
+def _structured(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``response_format`` (json_schema, json_object) or vLLM's
+    ``structured_outputs`` as the job's ``structured_outputs``, compiled here: a schema the
+    checker cannot enforce is a 400 naming it, never a job that ignores it."""
     fmt = body.get("response_format")
+    given = body.get("structured_outputs")
     if fmt is not None and fmt != {"type": "text"}:
-        raise BadRequest("response_format: only {'type': 'text'} is supported", "response_format")
+        if given is not None:
+            why = "give response_format or structured_outputs, not both"
+            raise BadRequest(why, "response_format")
+        param = "response_format"
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            given = {"json_object": True}
+        elif kind == "json_schema":
+            inner = fmt.get("json_schema")
+            if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict):
+                raise BadRequest("response_format.json_schema.schema must be an object", param)
+            given = {"json": inner["schema"]}
+        else:
+            raise BadRequest(
+                f"response_format.type must be text, json_object or json_schema, got {quote(kind)}",
+                param,
+            )
+    elif given is not None:
+        param = "structured_outputs"
+    else:
+        return {}
+    try:
+        return {"structured_outputs": check_structured(given, param)}
+    except InvalidRequest as exc:
+        raise BadRequest(exc.message, param, code=exc.code) from None
+
+
+def _chat_only(body: dict[str, Any]) -> None:
     if body.get("tools"):
         raise BadRequest("tools are not supported", "tools")
     _only(body, "tool_choice", ("none",), "tools are not supported")
@@ -351,6 +384,7 @@ def to_submit_kwargs(kind: str, body: Any, limits: Limits = DEFAULT_LIMITS) -> d
         _chat_only(body)
         kwargs = {"messages": _messages(body)}
     kwargs.update(_sampling(kind, body, limits))
+    kwargs.update(_structured(body))
     kwargs.update(_lane(body))
     if model:
         kwargs["model"] = model
