@@ -166,7 +166,7 @@ def test_the_protocols_sampling_parameters_are_the_engines() -> None:
 # (and one another); worker -> engine -> kernels; nothing runs back up. The command line
 # (tokenq/cli/), the benchmarks, the demo and the package root may use any room.
 CONTRACT = "protocol"
-TOOLS = {"server", "batch", "ops", "celery"}
+TOOLS = {"server", "batch", "ops", "celery", "webhooks"}
 ALLOWED = {
     CONTRACT: {CONTRACT},
     "producer": {"producer", CONTRACT},
