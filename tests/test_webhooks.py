@@ -1,0 +1,401 @@
+"""Webhooks end to end: jobs with webhooks run by a real worker (tiny model), events
+delivered by `tokenq webhooks run` processes to a real HTTP receiver on loopback, which
+verifies every delivery with the `standardwebhooks` package. Faults: the receiver fails
+first attempts and goes down for seconds while a dispatcher is SIGKILLed and restarted;
+nothing is lost, each event is received once after de-duplication, in order per job."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from standardwebhooks.webhooks import Webhook
+
+from tests.redis_fixtures import CLIENT
+from tests.worker_support import (
+    WorkerThread,
+    fast_config,
+    make_engine,
+    single_torch_thread,  # noqa: F401
+    tiny_model,  # noqa: F401
+    wait_for,
+)
+from tokenq.producer.client import Client, make_request
+from tokenq.protocol import JobRequest, Keys, ProtocolError, decode_job
+from tokenq.protocol.webhooks import DISPATCHERS
+from tokenq.webhooks.addresses import Refused, resolve
+from tokenq.webhooks.signing import new_secret
+from tokenq.worker.worker import Worker
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+class Receiver:
+    """A webhook receiver on loopback. `answer(webhook_id, attempt)` picks each status;
+    every delivery is verified with standardwebhooks, then kept once per webhook-id."""
+
+    def __init__(self, secret: str, answer: Callable[[str, int], int] | None = None) -> None:
+        self.verifier = Webhook(secret)
+        self.answer = answer or (lambda _id, _n: 200)
+        self.attempts: Counter[str] = Counter()
+        self.events: dict[str, dict[str, Any]] = {}  # by webhook-id, first delivery kept
+        self.order: list[str] = []  # webhook-ids in the order first received
+        self.bad: list[str] = []
+        self.lock = threading.Lock()
+        self.server: ThreadingHTTPServer | None = None
+        self.port = 0
+
+    def start(self) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                wid = self.headers.get("webhook-id", "")
+                with outer.lock:
+                    outer.attempts[wid] += 1
+                    status = outer.answer(wid, outer.attempts[wid])
+                    if 200 <= status < 300:
+                        try:
+                            event = outer.verifier.verify(body, dict(self.headers))
+                        except Exception as exc:  # a bad signature fails the test
+                            outer.bad.append(f"{wid}: {exc}")
+                            status = 400
+                        else:
+                            if wid not in outer.events:
+                                outer.events[wid] = event
+                                outer.order.append(wid)
+                self.send_response(status)
+                if 300 <= status < 400:
+                    self.send_header("location", "http://10.0.0.1/hook")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        assert self.server is not None
+        self.server.shutdown()
+        self.server.server_close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    def completed(self) -> dict[str, dict[str, Any]]:
+        with self.lock:
+            return {
+                e["data"]["id"]: e for e in self.events.values() if e["type"] == "job.completed"
+            }
+
+
+@pytest.fixture
+def receiver() -> Iterator[Callable[..., Receiver]]:
+    made: list[Receiver] = []
+
+    def make(secret: str, answer: Callable[[str, int], int] | None = None) -> Receiver:
+        r = Receiver(secret, answer)
+        r.start()
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        if r.server is not None:
+            r.stop()
+
+
+class Dispatcher:
+    """`tokenq webhooks run` in a process of its own, so that it can be SIGKILLed."""
+
+    def __init__(self, redis_url: str, namespace: str, secret: str, log: Path, *extra: str):
+        self.argv = [
+            sys.executable,
+            "-m",
+            "tokenq.cli",
+            "webhooks",
+            "run",
+            "--redis-url",
+            redis_url,
+            "--namespace",
+            namespace,
+            *extra,
+        ]
+        self.env = {**os.environ, "TOKENQ_WEBHOOK_SECRET": secret}
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Dispatcher:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=out)
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=15)
+
+
+FAST = ("--first-backoff", "0.05", "--max-backoff", "0.5", "--attempt-timeout", "2")
+
+
+# -- the contract -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("webhook", "events", "message"),
+    [
+        ("ftp://example.com/x", None, "must be an http"),
+        ("https://user:pw@example.com/x", None, "credentials"),
+        ("https://example.com/" + "x" * 2048, None, "at most 2048"),
+        ("https://example.com/x", ["finished"], "webhook_events_filter"),
+        ("https://example.com/x", [], "webhook_events_filter"),
+        (None, ["completed"], "needs a webhook"),
+    ],
+)
+def test_a_bad_webhook_is_refused_before_it_is_queued(
+    webhook: Any, events: Any, message: str
+) -> None:
+    job = JobRequest(prompt="hi", job_id="j1", webhook=webhook, webhook_events_filter=events)
+    with pytest.raises(ProtocolError, match=message):
+        job.validate()
+
+
+def test_a_jobs_webhook_travels_in_its_entry() -> None:
+    job = JobRequest(
+        prompt="hi",
+        job_id="j1",
+        webhook="https://example.com/hook",
+        webhook_events_filter=["start", "completed"],
+    )
+    back = decode_job({k.encode(): v for k, v in _bytes(job.to_fields()).items()})
+    assert (back.webhook, back.webhook_events_filter) == (job.webhook, ["start", "completed"])
+
+
+def _bytes(fields: dict[str, Any]) -> dict[str, bytes]:
+    return {k: v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
+
+
+def test_the_hook_stream_keeps_the_queues_key_apart_from_its_family() -> None:
+    keys = Keys("ns")
+    assert keys.hooks(keys.queue("m/odel", 5, "acme")) == "ns:hooks:m/odel:5:acme"
+    with pytest.raises(ValueError):
+        keys.hooks("other:jobs:m:0:-")
+
+
+# -- where a webhook may go ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://127.0.0.1/hook",  # loopback
+        "https://localhost/hook",  # a name that resolves to loopback
+        "https://10.1.2.3/hook",  # private
+        "https://192.168.0.7/hook",
+        "https://169.254.169.254/latest/meta-data",  # link-local: the clouds' metadata
+        "https://[::1]/hook",
+        "https://[::ffff:10.0.0.1]/hook",  # IPv4-mapped
+        "https://100.64.0.1/hook",  # shared address space
+        "http://93.184.215.14/hook",  # public, but not https
+    ],
+)
+def test_private_and_plain_http_addresses_are_refused_without_the_flag(url: str) -> None:
+    with pytest.raises(Refused):
+        asyncio.run(resolve(url, allow_private=False))
+
+
+def test_a_public_address_is_pinned_with_its_name_kept_for_tls_and_host() -> None:
+    target = asyncio.run(resolve("https://93.184.215.14:8443/a?b=c", allow_private=False))
+    assert target.url == "https://93.184.215.14:8443/a?b=c"
+    assert target.host == "93.184.215.14:8443"
+    loop = asyncio.run(resolve("http://localhost:81/x", allow_private=True))
+    assert loop.url in ("http://127.0.0.1:81/x", "http://[::1]:81/x")
+    assert loop.host == "localhost:81" and loop.sni is None
+
+
+# -- delivery -------------------------------------------------------------------------
+
+
+def _worker(model: Path, redis_url: str, namespace: str) -> WorkerThread:
+    conn = redis.Redis.from_url(redis_url)
+    return WorkerThread(Worker(make_engine(model), conn, fast_config(namespace)))
+
+
+def test_every_completed_event_arrives_once_in_order_through_failures_and_a_kill_9(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    receiver: Callable[..., Receiver],
+    tmp_path: Path,
+) -> None:
+    secret = new_secret()
+    hook = receiver(secret, lambda _wid, attempt: 500 if attempt == 1 else 200)
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    log = tmp_path / "dispatchers.log"
+    extra = (*FAST, "--allow-private-webhooks", "--claim-idle-ms", "1500")
+    everything = ["start", "output", "completed"]
+    with _worker(tiny_model, redis_url, redis_namespace):
+        first = Dispatcher(redis_url, redis_namespace, secret, log, *extra, "--consumer", "d1")
+        with first, Dispatcher(redis_url, redis_namespace, secret, log, *extra):
+            jobs = client.submit_many(
+                make_request(
+                    f"story {i}",
+                    max_tokens=4,
+                    webhook=hook.url,
+                    webhook_events_filter=everything if i % 10 == 0 else None,
+                    **GREEDY,
+                )
+                for i in range(200)
+            )
+            wait_for(lambda: len(hook.completed()) >= 20, timeout=30)
+            hook.stop()  # down for a few seconds, while d1 is killed mid-delivery
+            keys = client.keys
+            streams = [s.decode() for s in client.redis.smembers(keys.hook_streams)]
+            wait_for(lambda: _pending_of(client.redis, streams, "d1") > 0, timeout=10)
+            first.kill()
+            wait_for(lambda: all(j.status() == "done" for j in jobs), timeout=30)
+            hook.start()  # the same port again
+            with Dispatcher(redis_url, redis_namespace, secret, log, *extra, "--consumer", "d3"):
+                wait_for(lambda: len(hook.completed()) == 200, timeout=40)
+                wait_for(lambda: _held(client.redis, streams) == 0, timeout=10)
+    assert not hook.bad
+    got = hook.completed()
+    for job in jobs:
+        data = got[job.id]["data"]
+        assert data["text"] == job.result().text and data["status"] == "done"
+        assert data["usage"]["completion_tokens"] == 4
+    # In order per job: started, then outputs (if any), then completed.
+    for job in jobs[::10]:
+        mine = [w for w in hook.order if w.startswith(f"msg_{job.id}_")]
+        assert mine[0] == f"msg_{job.id}_job.started" and mine[-1] == f"msg_{job.id}_job.completed"
+    assert all(n >= 2 for n in hook.attempts.values())  # each first attempt answered 500
+    assert _pending_of(client.redis, streams, "d1") == 0  # the killed one's: taken over
+    client.close()
+
+
+def _pending_of(conn: redis.Redis, streams: list[str], consumer: str) -> int:
+    return sum(
+        len(conn.xpending_range(s, DISPATCHERS, "-", "+", 1000, consumername=consumer))
+        for s in streams
+    )
+
+
+def _held(conn: redis.Redis, streams: list[str]) -> int:
+    """Webhook events not yet delivered: left in their streams or pending."""
+    total = 0
+    for stream in streams:
+        total += conn.xlen(stream)
+        total += conn.xpending(stream, DISPATCHERS)["pending"]
+    return total
+
+
+def test_a_410_disables_the_url_and_an_address_refused_is_recorded(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    receiver: Callable[..., Receiver],
+    tmp_path: Path,
+) -> None:
+    secret = new_secret()
+    gone = receiver(secret, lambda _wid, _n: 410)
+    moved = receiver(secret, lambda _wid, _n: 302)  # to 10.0.0.1: never followed
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    keys = client.keys
+    log = tmp_path / "dispatcher.log"
+    with _worker(tiny_model, redis_url, redis_namespace):
+        with Dispatcher(redis_url, redis_namespace, secret, log, *FAST, "--allow-private-webhooks"):
+            a = client.submit("a", max_tokens=2, webhook=gone.url, **GREEDY)
+            b = client.submit("b", max_tokens=2, webhook=moved.url, **GREEDY)
+            wait_for(lambda: client.redis.xlen(keys.webhook_failures) == 2, timeout=20)
+            assert client.redis.sismember(keys.webhook_gone, gone.url)
+            c = client.submit("c", max_tokens=2, webhook=gone.url, **GREEDY)
+            wait_for(lambda: client.redis.xlen(keys.webhook_failures) == 3, timeout=20)
+        # Without the flag: loopback is refused before anything is sent.
+        fresh = receiver(secret)
+        with Dispatcher(redis_url, redis_namespace, secret, log, *FAST):
+            d = client.submit("d", max_tokens=2, webhook=fresh.url, **GREEDY)
+            wait_for(lambda: client.redis.xlen(keys.webhook_failures) == 4, timeout=20)
+    failures = [
+        {k.decode(): v.decode() for k, v in f.items()}
+        for _, f in client.redis.xrange(keys.webhook_failures)
+    ]
+    by_job = {f["subject"]: f for f in failures}
+    assert by_job[a.id]["outcome"] == "gone"
+    assert by_job[b.id]["outcome"] == "refused" and "redirect" in by_job[b.id]["reason"]
+    assert by_job[c.id]["outcome"] == "gone"
+    assert by_job[d.id]["outcome"] == "refused" and "https" in by_job[d.id]["reason"]
+    assert sum(gone.attempts.values()) == 1  # c was never sent: the URL is gone
+    assert sum(moved.attempts.values()) == 1
+    assert not fresh.attempts
+    client.close()
+
+
+def test_the_cli_makes_secrets_and_endpoints_shown_once(
+    redis_url: str, redis_namespace: str
+) -> None:
+    def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        base = ["--redis-url", redis_url, "--namespace", redis_namespace]
+        command = [sys.executable, "-m", "tokenq.cli", "webhooks", *argv]
+        if argv[0] != "secret":
+            command += base
+        return subprocess.run(
+            command, capture_output=True, text=True, env={**os.environ, **(env or {})}
+        )
+
+    secret = cli("secret").stdout.strip()
+    assert secret.startswith("whsec_")
+    made = cli(
+        "add",
+        "https://hooks.example.com/tq",
+        "--events",
+        "batch.completed,batch.failed",
+        env={"TOKENQ_WEBHOOK_SECRET": secret},
+    )
+    assert made.returncode == 0, made.stderr
+    endpoint = json.loads(made.stdout)
+    assert endpoint["secret"].startswith("whsec_") and endpoint["events"] == [
+        "batch.completed",
+        "batch.failed",
+    ]
+    listed = json.loads(cli("list").stdout)
+    assert [e["id"] for e in listed] == [endpoint["id"]] and "secret" not in listed[0]
+    stored = redis.Redis.from_url(redis_url).hget(
+        Keys(redis_namespace).webhook_endpoints, endpoint["id"]
+    )
+    assert endpoint["secret"].encode() not in stored and secret.encode() not in stored
+    refused = cli(
+        "add",
+        "https://x.example/",
+        "--events",
+        "job.exploded",
+        env={"TOKENQ_WEBHOOK_SECRET": secret},
+    )
+    assert refused.returncode == 2 and "events must be" in refused.stderr
+    assert cli("remove", endpoint["id"]).returncode == 0
+    assert json.loads(cli("list").stdout) == []
