@@ -37,6 +37,7 @@ from tokenq.protocol import (
     lane_of,
     quote,
 )
+from tokenq.protocol.webhooks import check_webhook
 
 COMPLETIONS, CHAT = "completions", "chat"
 KINDS = (COMPLETIONS, CHAT)
@@ -67,6 +68,8 @@ _COMMON = frozenset(
         "ignore_eos",
         "priority",
         "lane",
+        "webhook",  # Replicate's: a URL told of the job's events (docs/protocol.md)
+        "webhook_events_filter",
     }
 )
 FIELDS = {
@@ -359,7 +362,20 @@ def to_submit_kwargs(kind: str, body: Any, limits: Limits = DEFAULT_LIMITS) -> d
         if not isinstance(user, str) or not TENANT_RE.fullmatch(user):
             raise BadRequest(f"user {quote(user)} must match {TENANT_RE.pattern}", "user")
         kwargs["tenant"] = user
+    kwargs.update(_webhook(body))
     return kwargs
+
+
+def _webhook(body: dict[str, Any]) -> dict[str, Any]:
+    webhook, events = body.get("webhook"), body.get("webhook_events_filter")
+    refused = check_webhook(webhook, events)
+    if refused is not None:
+        name = "webhook_events_filter"
+        raise BadRequest(refused, name if refused.startswith(name) else "webhook")
+    out: dict[str, Any] = {} if webhook is None else {"webhook": webhook}
+    if events is not None:
+        out["webhook_events_filter"] = events
+    return out
 
 
 # --- responses -----------------------------------------------------------------------

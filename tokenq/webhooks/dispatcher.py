@@ -22,7 +22,7 @@ import structlog
 
 from tokenq.protocol import DEFAULT_NAMESPACE, Keys, unpack
 from tokenq.protocol.scripts import source
-from tokenq.protocol.webhooks import DISPATCHERS, HookEvent
+from tokenq.protocol.webhooks import BATCH_TYPES, DISPATCHERS, HookEvent
 from tokenq.webhooks import endpoints
 from tokenq.webhooks.addresses import Refused, resolve, shown
 from tokenq.webhooks.metrics import DispatcherMetrics
@@ -271,10 +271,14 @@ class Dispatcher:
         if now - self._endpoints_at > 2.0:
             self._endpoints = await endpoints.listed(self.redis, self.keys)
             self._endpoints_at = now
+        # The namespace's endpoints hear every batch; a key's, its own batches and jobs.
+        batch = event.type in BATCH_TYPES
         return [
             Target(e.url, endpoint_secret(self.config.secret, e.id, e.nonce), e.id)
             for e in self._endpoints
-            if e.owner == event.owner and event.type in e.events and not e.disabled
+            if (e.owner == event.owner or (batch and not e.owner))
+            and event.type in e.events
+            and not e.disabled
         ]
 
     async def _deliver(self, event: HookEvent) -> None:
