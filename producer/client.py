@@ -140,6 +140,7 @@ def make_request(
     metadata: Any = None,
     webhook: str | None = None,
     webhook_events_filter: list[str] | None = None,
+    webhook_endpoints: str | None = None,
     **params: Any,
 ) -> JobRequest:
     """A job from keyword arguments; sampling parameters go by vLLM's names. Submitting
@@ -150,7 +151,9 @@ def make_request(
     "default", "batch") stands for priority -1, 0 or 1. Both must agree if both are given.
 
     `webhook`: a URL told of the job's events, those of `webhook_events_filter` ("start",
-    "output", "completed"; default completed), by `tokenq webhooks run` (docs/protocol.md)."""
+    "output", "completed"; default completed), by `tokenq webhooks run` (docs/protocol.md).
+    `webhook_endpoints`: whose registered endpoints hear its job.completed ("" the
+    namespace's)."""
     if lane is not None and lane not in LANES:
         raise ValueError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
     if priority is None:
@@ -170,6 +173,7 @@ def make_request(
         metadata=metadata,
         webhook=webhook,
         webhook_events_filter=webhook_events_filter,
+        webhook_endpoints=webhook_endpoints,
     )
 
 
@@ -316,7 +320,7 @@ def _hook_streams(keys: Keys, reqs: list[JobRequest]) -> list[str]:
         {
             keys.hooks(keys.queue(r.model, r.priority, r.tenant or NO_TENANT))  # type: ignore[arg-type]
             for r in reqs
-            if r.webhook is not None
+            if r.webhook is not None or r.webhook_endpoints is not None
         }
     )
 

@@ -34,7 +34,7 @@ from tokenq.celery.bridge import Bridge, RevokeWatcher
 from tokenq.producer.client import Client
 from tokenq.protocol.acl import ROLES, acl_rules
 from tokenq.protocol.connection import version_tuple
-from tokenq.webhooks.signing import new_secret
+from tokenq.webhooks.whsec import new_secret
 
 NAMESPACE = "tqacl"
 MODEL = "tiny"

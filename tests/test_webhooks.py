@@ -15,10 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 import redis
+from standardwebhooks.webhooks import Webhook
 
-from tests.redis_fixtures import CLIENT
+from tests.redis_fixtures import CLIENT, TEST_MODEL
+from tests.test_batch_api import jsonl, line, upload
+from tests.test_gateway import GatewayProcess
 from tests.webhook_support import Dispatcher, Receiver, receiver  # noqa: F401
 from tests.worker_support import (
     WorkerThread,
@@ -32,7 +37,7 @@ from tokenq.producer.client import Client, make_request
 from tokenq.protocol import JobRequest, Keys, ProtocolError, decode_job
 from tokenq.protocol.webhooks import DISPATCHERS
 from tokenq.webhooks.addresses import Refused, resolve
-from tokenq.webhooks.signing import new_secret
+from tokenq.webhooks.whsec import new_secret
 from tokenq.worker.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -278,3 +283,85 @@ def test_the_cli_makes_secrets_and_endpoints_shown_once(
     assert refused.returncode == 2 and "events must be" in refused.stderr
     assert cli("remove", endpoint["id"]).returncode == 0
     assert json.loads(cli("list").stdout) == []
+
+
+def test_a_keys_endpoints_hear_its_jobs_and_batches_signed_with_their_own_secret(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+    receiver: Callable[..., Receiver],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    secret = new_secret()
+    key_a, key_b = "sk-a-" + os.urandom(8).hex(), "sk-b-" + os.urandom(8).hex()
+    as_a, as_b = _bearer(key_a), _bearer(key_b)
+    per_job, hears = receiver(secret), receiver(secret)
+    gone = receiver(secret, lambda _wid, _n: 410)
+    with _worker(tiny_model, redis_url, redis_namespace):
+        gateway = GatewayProcess(
+            redis_url, redis_namespace, tmp_path / "gateway.log", "--api-key", key_a,
+            "--api-key", key_b, "--webhook-secret", secret, "--batch-poll", "0.2",
+        )  # fmt: skip
+        base = f"{gateway.base}/v1"
+        try:
+            both = ["job.completed", "batch.completed"]
+            made = httpx.post(
+                f"{base}/webhooks", json={"url": hears.url, "events": both}, headers=as_a
+            )
+            assert made.status_code == 201, made.text
+            endpoint = made.json()
+            hears.verifier = Webhook(endpoint["secret"])  # its own secret, shown this once
+            made = httpx.post(f"{base}/webhooks", json={"url": gone.url}, headers=as_a)
+            assert made.status_code == 201 and made.json()["events"] == ["job.completed"]
+            mine = httpx.get(f"{base}/webhooks", headers=as_a).json()["data"]
+            assert [e["url"] for e in mine] == [hears.url, gone.url]
+            assert all("secret" not in e for e in mine)
+            assert httpx.get(f"{base}/webhooks", headers=as_b).json()["data"] == []
+            not_b = httpx.delete(f"{base}/webhooks/{endpoint['id']}", headers=as_b)
+            assert not_b.status_code == 404 and not_b.json()["error"]["param"] == "id"
+            bad = {"url": "https://x.example", "events": ["job.x"]}
+            refused = httpx.post(f"{base}/webhooks", json=bad, headers=as_b)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "events"
+            log = tmp_path / "dispatcher.log"
+            with Dispatcher(
+                redis_url, redis_namespace, secret, log, *FAST, "--allow-private-webhooks"
+            ):
+                a = openai.OpenAI(base_url=base, api_key=key_a)
+                chat = a.chat.completions.create(
+                    model=TEST_MODEL,
+                    messages=[{"role": "user", "content": "Hi"}],
+                    max_tokens=3,
+                    extra_body={"webhook": per_job.url, "webhook_events_filter": ["completed"]},
+                )
+                job_id = chat.id.removeprefix("chatcmpl-")
+                wait_for(lambda: job_id in hears.completed(), timeout=20)
+                wait_for(lambda: job_id in per_job.completed(), timeout=20)
+                batch = a.batches.create(
+                    input_file_id=upload(a, jsonl([line(i) for i in range(2)])),
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                )
+                wait_for(lambda: _batch_ends(hears), timeout=30)
+                wait_for(lambda: _disabled(base, as_a) == [False, True], timeout=20)
+        finally:
+            gateway.close()
+    text = chat.choices[0].message.content
+    assert hears.completed()[job_id]["data"]["text"] == text
+    assert per_job.completed()[job_id]["data"]["text"] == text
+    (end,) = _batch_ends(hears)
+    assert end["data"]["id"] == batch.id and end["data"]["request_counts"]["completed"] == 2
+    assert not hears.bad and not per_job.bad
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _batch_ends(hook: Receiver) -> list[dict[str, Any]]:
+    with hook.lock:
+        return [e for e in hook.events.values() if e["type"] == "batch.completed"]
+
+
+def _disabled(base: str, headers: dict[str, str]) -> list[bool]:
+    found = httpx.get(f"{base}/webhooks", headers=headers).json()["data"]
+    return [bool(e["disabled"]) for e in found]

@@ -10,6 +10,7 @@ from tokenq.protocol import DoneEvent, ErrorEvent, Event, JobRequest, RestartEve
 from tokenq.protocol.webhooks import (
     COMPLETED,
     COMPLETED_SEQ,
+    ENDPOINTS_SEQ,
     JOB_COMPLETED,
     JOB_OUTPUT,
     JOB_STARTED,
@@ -26,8 +27,10 @@ Hook = tuple[int, str, bytes]  # seq, the webhook event stream, the event's payl
 
 
 def completed_hook(job: JobRequest, stream: str, final: Event) -> list[Hook]:
-    """The `completed` event of a job that ends with `final`, if its filter asks for it."""
-    if job.webhook is None or COMPLETED not in job_filter(job.webhook_events_filter):
+    """The `completed` events of a job that ends with `final`: for its webhook, if its
+    filter asks for it, and for the endpoints it names (written just after)."""
+    to_url = job.webhook is not None and COMPLETED in job_filter(job.webhook_events_filter)
+    if not to_url and job.webhook_endpoints is None:
         return []
     jid = job.job_id
     assert jid is not None
@@ -51,11 +54,19 @@ def completed_hook(job: JobRequest, stream: str, final: Event) -> list[Hook]:
         assert isinstance(final, ErrorEvent)
         error = {"code": final.code, "message": final.message}
         data = job_data(jid, job.model, "error", error=error, metadata=final.metadata)
-    return [_hook(jid, COMPLETED_SEQ, JOB_COMPLETED, data, job.webhook, stream)]
+    hooks = []
+    if to_url:
+        hooks.append(_hook(jid, COMPLETED_SEQ, JOB_COMPLETED, data, job.webhook, stream))
+    if job.webhook_endpoints is not None:
+        owner = job.webhook_endpoints
+        hooks.append(_hook(jid, ENDPOINTS_SEQ, JOB_COMPLETED, data, None, stream, owner))
+    return hooks
 
 
-def _hook(jid: str, seq: int, kind: str, data: dict, url: str, stream: str) -> Hook:
-    event = HookEvent(jid, seq, kind, data, round(time.time(), 3), url)
+def _hook(
+    jid: str, seq: int, kind: str, data: dict, url: str | None, stream: str, owner: str = ""
+) -> Hook:
+    event = HookEvent(jid, seq, kind, data, round(time.time(), 3), url, owner)
     return (seq, stream, pack(event.payload()))
 
 
@@ -81,14 +92,16 @@ class JobHooks:
         """The events to write with this publish of `outbox` (whose first event has
         sequence id `first_seq`); `sent` once the call landed."""
         jid, url = self.job.job_id, self.job.webhook
-        assert jid is not None and url is not None
+        assert jid is not None
         hooks: list[Hook] = []
-        if not self.started and (outbox or status):
+        if url is not None and not self.started and (outbox or status):
             data = job_data(jid, self.job.model, "running")
             hooks.append(_hook(jid, START_SEQ, JOB_STARTED, data, url, self.stream))
         final = outbox[-1] if outbox and status in ("done", "error") else None
         if final is not None:
             return hooks + completed_hook(self.job, self.stream, final)
+        if url is None:  # only endpoints: they hear the end alone
+            return hooks
         now = time.monotonic()
         if OUTPUT in self.filter and outbox and now >= self.next_output and self.text:
             data = job_data(jid, self.job.model, "running", text=self.text)
@@ -100,5 +113,5 @@ class JobHooks:
         for seq, _, _ in hooks:
             if seq == START_SEQ:
                 self.started = True
-            elif seq != COMPLETED_SEQ:
+            elif seq < COMPLETED_SEQ:
                 self.next_output = time.monotonic() + OUTPUT_INTERVAL_S

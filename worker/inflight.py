@@ -119,7 +119,9 @@ class InFlightTable:
 
     def job_hooks(self, delivery: Taken, job: JobRequest) -> JobHooks | None:
         stream = self.hook_stream(delivery)
-        return None if job.webhook is None or stream is None else JobHooks(job, stream)
+        if stream is None or (job.webhook is None and job.webhook_endpoints is None):
+            return None
+        return JobHooks(job, stream)
 
     def settle(
         self, delivery: Taken, job_id: str | None, mode: str = "settle", **fields: Any

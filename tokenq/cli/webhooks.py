@@ -84,7 +84,7 @@ def _secret(args: argparse.Namespace) -> str | None:
             "tokenq webhooks: --webhook-secret (TOKENQ_WEBHOOK_SECRET) is required", file=sys.stderr
         )
         return None
-    from tokenq.webhooks.signing import secret_bytes
+    from tokenq.webhooks.whsec import secret_bytes
 
     try:
         secret_bytes(args.webhook_secret)
@@ -208,7 +208,7 @@ def _remove(args: argparse.Namespace) -> int:
 def _new_secret(args: argparse.Namespace) -> int:
     if not _imports():
         return EXIT_USAGE
-    from tokenq.webhooks.signing import new_secret
+    from tokenq.webhooks.whsec import new_secret
 
     print(new_secret())
     return 0

@@ -111,13 +111,27 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         "xtrim",
         "xdel",
         "del",  # dlq purge, replay (replay.lua)
-        "hset", "hget", "hdel",  # webhook endpoints
+        "hset",
+        "hget",
+        "hdel",  # webhook endpoints
     ),  # fmt: skip
     "dispatcher": (
-        *_CONNECTION, *_SCRIPTS,
-        "smembers", "xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xack",  # events
-        "xdel", "hget", "hset", "expire",  # hook_done.lua
-        "hgetall", "sismember", "sadd", "xadd",  # endpoints, gone URLs, failures
+        *_CONNECTION,
+        *_SCRIPTS,
+        "smembers",
+        "xgroup|create",
+        "xreadgroup",
+        "xautoclaim",
+        "xclaim",
+        "xack",  # events
+        "xdel",
+        "hget",
+        "hset",
+        "expire",  # hook_done.lua
+        "hgetall",
+        "sismember",
+        "sadd",
+        "xadd",  # endpoints, gone URLs, failures
     ),  # fmt: skip
 }
 

@@ -15,7 +15,7 @@ from tokenq.protocol.errors import InvalidRequest, ProtocolError, quote
 from tokenq.protocol.keys import JOB_ID_RE, MODEL_RE, TENANT_RE, lane_of
 from tokenq.protocol.limits import DEFAULT_LIMITS, MAX_PRIORITY, Limits
 from tokenq.protocol.params import are_token_ids, check_sizes
-from tokenq.protocol.webhooks import check_webhook
+from tokenq.protocol.webhooks import check_owner, check_webhook
 
 PROTOCOL_VERSION = 2  # 2: queues per model, priority and tenant (1: one job stream)
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -31,6 +31,7 @@ PAYLOAD_FIELDS = frozenset(
         "submitted_at",
         "webhook",
         "webhook_events_filter",
+        "webhook_endpoints",
     }
 )
 
@@ -85,6 +86,8 @@ class JobRequest:
     submitted_at: float | None = None
     webhook: str | None = None  # a URL told of the job's events (docs/protocol.md, "Webhooks")
     webhook_events_filter: list[str] | None = None  # start, output, completed (the default)
+    # Whose endpoints hear the job's job.completed: "" the namespace's, else an API key's.
+    webhook_endpoints: str | None = None
 
     def validate(self, limits: Limits = DEFAULT_LIMITS) -> None:
         """Structural checks both sides can make without the model; raises ProtocolError.
@@ -142,6 +145,8 @@ class JobRequest:
         ):
             raise bad(f"tenant {quote(self.tenant)} must match {TENANT_RE.pattern}")
         refused = check_webhook(self.webhook, self.webhook_events_filter)
+        if refused is None and self.webhook_endpoints is not None:
+            refused = check_owner(self.webhook_endpoints)
         if refused is not None:
             raise bad(refused)
         if self.metadata is not None:
@@ -204,6 +209,7 @@ class JobRequest:
             "submitted_at",
             "webhook",
             "webhook_events_filter",
+            "webhook_endpoints",
         ):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -270,6 +276,7 @@ def decode_job(fields: dict[bytes, bytes], limits: Limits = DEFAULT_LIMITS) -> J
         submitted_at=data.get("submitted_at"),
         webhook=data.get("webhook"),
         webhook_events_filter=data.get("webhook_events_filter"),
+        webhook_endpoints=data.get("webhook_endpoints"),
     )
     job.validate(limits)
     return job

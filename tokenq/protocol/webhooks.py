@@ -5,6 +5,7 @@ body a receiver gets (docs/protocol.md, "Webhooks")."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,8 +23,9 @@ BATCH_TYPES = ("batch.completed", "batch.failed", "batch.cancelled", "batch.expi
 ENDPOINT_TYPES = (JOB_COMPLETED, *BATCH_TYPES)
 MAX_URL_CHARS = 2048
 # A job's events are delivered in the order of their `seq`: start 0, output the reply
-# event's sequence id it follows, completed after everything (a job ends once).
-START_SEQ, COMPLETED_SEQ = 0, 10**15
+# event's sequence id it follows, completed after everything (a job ends once), then the
+# completed event of the endpoints it names.
+START_SEQ, COMPLETED_SEQ, ENDPOINTS_SEQ = 0, 10**15, 10**15 + 1
 # At most one `output` event a second per job, each with the text so far.
 OUTPUT_INTERVAL_S = 1.0
 DISPATCHERS = "dispatchers"  # the consumer group of every webhook event stream
@@ -53,6 +55,16 @@ def check_webhook(url: Any, events: Any) -> str | None:
     return None
 
 
+# Who registers endpoints: "" the namespace's operator, else an API key's principal id.
+OWNER_RE = re.compile(r"[A-Za-z0-9_.@\-]{0,64}")
+
+
+def check_owner(owner: Any) -> str | None:
+    if not isinstance(owner, str) or not OWNER_RE.fullmatch(owner):
+        return f"webhook_endpoints {quote(owner)} must match {OWNER_RE.pattern}"
+    return None
+
+
 def job_filter(events: list[str] | None) -> tuple[str, ...]:
     return tuple(events) if events else DEFAULT_FILTER
 
@@ -74,7 +86,7 @@ class HookEvent:
     @property
     def webhook_id(self) -> str:
         """Stable across retries and re-runs: a receiver keeps the ids it handled."""
-        if self.seq in (START_SEQ, COMPLETED_SEQ) or not self.type.startswith("job."):
+        if self.type != JOB_OUTPUT:
             return f"msg_{self.subject}_{self.type}"
         return f"msg_{self.subject}_{self.type}_{self.seq}"
 

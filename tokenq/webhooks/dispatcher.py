@@ -26,7 +26,8 @@ from tokenq.protocol.webhooks import BATCH_TYPES, DISPATCHERS, HookEvent
 from tokenq.webhooks import endpoints
 from tokenq.webhooks.addresses import Refused, resolve, shown
 from tokenq.webhooks.metrics import DispatcherMetrics
-from tokenq.webhooks.signing import endpoint_secret, headers, secret_bytes
+from tokenq.webhooks.signing import headers
+from tokenq.webhooks.whsec import endpoint_secret, secret_bytes
 
 log = structlog.get_logger("tokenq.webhooks")
 FAILURES_MAXLEN = 10_000

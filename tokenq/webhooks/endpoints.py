@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from tokenq.protocol import Keys
 from tokenq.protocol.webhooks import ENDPOINT_TYPES, check_webhook
-from tokenq.webhooks.signing import endpoint_secret
+from tokenq.webhooks.whsec import endpoint_secret
 
 
 @dataclass
