@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import redis
+from prometheus_client import CollectorRegistry
 from standardwebhooks.webhooks import Webhook
 
 from tests.redis_fixtures import CLIENT, TEST_MODEL
@@ -33,6 +34,8 @@ from tests.worker_support import (
     tiny_model,  # noqa: F401
     wait_for,
 )
+from tokenq.cli.ops import render
+from tokenq.ops.fleet import FleetCollector, FleetReader
 from tokenq.producer.client import Client, make_request
 from tokenq.protocol import JobRequest, Keys, ProtocolError, decode_job
 from tokenq.protocol.webhooks import DISPATCHERS
@@ -237,6 +240,15 @@ def test_a_410_disables_the_url_and_an_address_refused_is_recorded(
     assert sum(gone.attempts.values()) == 1  # c was never sent: the URL is gone
     assert sum(moved.attempts.values()) == 1
     assert not fresh.attempts
+    # What an operator sees: `tokenq inspect` and the fleet's gauges.
+    fleet = FleetReader(client.redis, redis_namespace).read()
+    assert (fleet.webhooks.failures, fleet.webhooks.backlog) == (4, 0)
+    newest = [f["subject"] for f in fleet.webhooks.recent_failures]
+    assert newest[:2] == [d.id, c.id] and set(newest[2:]) == {a.id, b.id}
+    assert "4 deliveries given up" in render(fleet, redis_url)
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(client.redis, redis_namespace))
+    assert registry.get_sample_value("tokenq:webhook_failures") == 4
     client.close()
 
 

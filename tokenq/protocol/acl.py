@@ -40,7 +40,7 @@ _CLIENT = (
 )  # fmt: skip
 _FLEET = (  # tokenq/ops/fleet.py: what /metrics, /dashboard and `inspect` read
     "time", "scan", "xlen", "zrange", "hgetall", "hmget", "get", "xinfo|groups", "xrange",
-    "xrevrange", "xpending", "multi", "exec",
+    "xrevrange", "xpending", "multi", "exec", "smembers",
 )  # fmt: skip
 COMMANDS: dict[str, tuple[str, ...]] = {
     "client": _CLIENT,
