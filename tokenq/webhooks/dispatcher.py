@@ -93,6 +93,7 @@ class Dispatcher:
         self._endpoints: list[endpoints.Endpoint] = []
         self._endpoints_at = 0.0
         self.stopping = asyncio.Event()
+        self._room = asyncio.Event()  # set when an event held leaves
         self.log = log.bind(consumer=config.consumer)
 
     # --- the loops -------------------------------------------------------------------
@@ -144,7 +145,8 @@ class Dispatcher:
         while True:
             room = c.max_held - len(self.held)
             if room <= 0:
-                await asyncio.sleep(0.05)
+                self._room.clear()
+                await self._room.wait()
                 continue
             try:
                 reply = await self.redis.xreadgroup(
@@ -220,6 +222,7 @@ class Dispatcher:
         def forget(_: asyncio.Task[None]) -> None:
             self.held.pop((stream, eid), None)
             self.metrics.held.set(len(self.held))
+            self._room.set()
 
         task.add_done_callback(forget)
 
