@@ -34,11 +34,13 @@ from tests.worker_support import (
     tiny_model,  # noqa: F401
     wait_for,
 )
+from tokenq.celery.bridge import job_kwargs
 from tokenq.cli.ops import render
 from tokenq.ops.fleet import FleetCollector, FleetReader
 from tokenq.producer.client import Client, make_request
 from tokenq.protocol import JobRequest, Keys, ProtocolError, decode_job
 from tokenq.protocol.webhooks import DISPATCHERS
+from tokenq.server.openai_api import BadRequest, to_submit_kwargs
 from tokenq.webhooks.addresses import Refused, resolve
 from tokenq.webhooks.whsec import new_secret
 from tokenq.worker.worker import Worker
@@ -86,6 +88,20 @@ def test_a_jobs_webhook_travels_in_its_entry() -> None:
 
 def _bytes(fields: dict[str, Any]) -> dict[str, bytes]:
     return {k: v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
+
+
+def test_celery_kwargs_batch_lines_and_the_gateways_body_carry_a_webhook() -> None:
+    url, events = "https://example.com/hook", ["start", "completed"]
+    task = job_kwargs(None, {"prompt": "hi", "webhook": url, "webhook_events_filter": events})
+    assert make_request(**task).webhook_events_filter == events
+    body = {"messages": [{"role": "user", "content": "hi"}], "webhook": url}
+    assert to_submit_kwargs("chat", body)["webhook"] == url  # a batch line's body, or a request's
+    with pytest.raises(BadRequest) as refused:
+        to_submit_kwargs("chat", {**body, "webhook_events_filter": ["done"]})
+    assert refused.value.param == "webhook_events_filter"
+    with pytest.raises(BadRequest) as refused:
+        to_submit_kwargs("chat", {**body, "webhook": "file:///etc/passwd"})
+    assert refused.value.param == "webhook"
 
 
 def test_the_hook_stream_keeps_the_queues_key_apart_from_its_family() -> None:

@@ -173,8 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         secret=secret,
         namespace=namespace,
         allow_private=True,
-        per_endpoint=args.concurrency,
-        max_held=args.concurrency,
+        per_endpoint=args.concurrency,  # its own bound on attempts at once to one endpoint
     )
     try:
         # Throughput: a backlog of events, drained.

@@ -129,7 +129,6 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         "hset",
         "expire",  # hook_done.lua
         "hgetall",
-        "sismember",
         "sadd",
         "xadd",  # endpoints, gone URLs, failures
     ),  # fmt: skip

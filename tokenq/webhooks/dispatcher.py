@@ -87,6 +87,7 @@ class Dispatcher:
         )
         self._done = conn.register_script(source("hook_done"))
         self.streams: set[str] = set()
+        self.gone: set[str] = set()  # jobs' URLs that answered 410 (reread with the streams)
         self.held: dict[tuple[str, bytes], asyncio.Task[None]] = {}
         self.slots: dict[str, asyncio.Semaphore] = {}
         self.waiters: dict[str, asyncio.Event] = {}  # by job: one of its events went out
@@ -128,7 +129,10 @@ class Dispatcher:
                 self.log.warning("redis call failed", error=str(exc))
 
     async def discover(self) -> None:
-        """The event streams producers listed; a consumer group on each new one."""
+        """The event streams producers listed, a consumer group on each new one; and the
+        URLs gone."""
+        gone = await self.redis.smembers(self.keys.webhook_gone)
+        self.gone |= {url.decode() for url in gone}
         names = {m.decode() for m in await self.redis.smembers(self.keys.hook_streams)}
         names.add(self.keys.batch_hooks)
         for stream in names - self.streams:
@@ -329,9 +333,7 @@ class Dispatcher:
     async def _attempt(self, target: Target, event: HookEvent, body: bytes) -> tuple[str, str]:
         """One POST: (outcome, why)."""
         c = self.config
-        if target.endpoint is None and await self.redis.sismember(
-            self.keys.webhook_gone, target.url
-        ):
+        if target.endpoint is None and target.url in self.gone:
             return "gone", "the URL answered 410 Gone before"
         slot = self.slots.setdefault(target.origin, asyncio.Semaphore(c.per_endpoint))
         async with slot:
@@ -374,6 +376,7 @@ class Dispatcher:
             if target.endpoint is not None:
                 await endpoints.disable(self.redis, self.keys, target.endpoint, why)
             else:
+                self.gone.add(target.url)
                 await self.redis.sadd(self.keys.webhook_gone, target.url)
         record = {
             "subject": event.subject,
