@@ -36,7 +36,8 @@ TEXT = "word " * 50  # a short completion's text
 
 
 def _receiver(port: int, ready: Any) -> None:
-    """A local receiver: answers 204 and keeps (webhook-id, receipt time); GET gives them."""
+    """A local receiver: answers 204 and keeps (webhook-id, receipt time); GET /count says
+    how many, /seen gives them, /reset gives them and forgets them."""
     import uvicorn
 
     seen: list[tuple[str, float]] = []
@@ -52,6 +53,8 @@ def _receiver(port: int, ready: Any) -> None:
         if scope["method"] == "POST":
             wid = dict(scope["headers"]).get(b"webhook-id", b"").decode()
             seen.append((wid, time.time()))
+        elif scope["path"] == "/count":
+            body = str(len(seen)).encode()
         else:
             body = json_of(seen)
             if scope["path"] == "/reset":
@@ -114,6 +117,10 @@ class Running:
             time.sleep(0.01)
         self.loop.call_soon_threadsafe(self.dispatcher.stop)
         self.thread.join(timeout=30)
+
+
+def _count(poll: httpx.Client, base: str) -> int:
+    return int(poll.get(f"{base}/count", timeout=30).text)
 
 
 def _seen(poll: httpx.Client, base: str, reset: bool = False) -> list[tuple[str, float]]:
@@ -184,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
             pipe.execute()
         start = time.perf_counter()
         running = Running(args.redis_url, config)
-        while len(_seen(poll, base)) < args.events:
+        while _count(poll, base) < args.events:
             time.sleep(0.2)
         dispatched = time.perf_counter() - start
         bodies = [e.body() for e in events]
@@ -201,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             _write(conn, stream, event)
             next_at += gap
             time.sleep(max(0.0, next_at - time.perf_counter()))
-        while len(_seen(poll, base)) < args.latency_events:
+        while _count(poll, base) < args.latency_events:
             time.sleep(0.2)
         lags = [at - written[wid] for wid, at in _seen(poll, base) if wid in written]
         running.stop()
