@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from tests.worker_support import (
     wait_for,
 )
 from tokenq.celery.bridge import job_kwargs
+from tokenq.cli import main
 from tokenq.cli.ops import render
 from tokenq.ops.fleet import FleetCollector, FleetReader
 from tokenq.producer.client import Client, make_request
@@ -269,48 +268,40 @@ def test_a_410_disables_the_url_and_an_address_refused_is_recorded(
 
 
 def test_the_cli_makes_secrets_and_endpoints_shown_once(
-    redis_url: str, redis_namespace: str
+    redis_url: str,
+    redis_namespace: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        base = ["--redis-url", redis_url, "--namespace", redis_namespace]
-        command = [sys.executable, "-m", "tokenq.cli", "webhooks", *argv]
-        if argv[0] != "secret":
-            command += base
-        return subprocess.run(
-            command, capture_output=True, text=True, env={**os.environ, **(env or {})}
-        )
+    def cli(*argv: str) -> tuple[int, str, str]:
+        where = ["--redis-url", redis_url, "--namespace", redis_namespace]
+        code = main(["webhooks", *argv, *([] if argv[0] == "secret" else where)])
+        out, err = capsys.readouterr()
+        return code, out, err
 
-    secret = cli("secret").stdout.strip()
+    secret = cli("secret")[1].strip()
     assert secret.startswith("whsec_")
-    made = cli(
-        "add",
-        "https://hooks.example.com/tq",
-        "--events",
-        "batch.completed,batch.failed",
-        env={"TOKENQ_WEBHOOK_SECRET": secret},
+    monkeypatch.setenv("TOKENQ_WEBHOOK_SECRET", secret)  # read as the parser is built
+    code, out, err = cli(
+        "add", "https://hooks.example.com/tq", "--events", "batch.completed,batch.failed"
     )
-    assert made.returncode == 0, made.stderr
-    endpoint = json.loads(made.stdout)
-    assert endpoint["secret"].startswith("whsec_") and endpoint["events"] == [
-        "batch.completed",
-        "batch.failed",
-    ]
-    listed = json.loads(cli("list").stdout)
+    assert code == 0, err
+    endpoint = json.loads(out)
+    assert endpoint["secret"].startswith("whsec_") and "shown once" in err
+    assert endpoint["events"] == ["batch.completed", "batch.failed"]
+    listed = json.loads(cli("list")[1])
     assert [e["id"] for e in listed] == [endpoint["id"]] and "secret" not in listed[0]
     stored = redis.Redis.from_url(redis_url).hget(
         Keys(redis_namespace).webhook_endpoints, endpoint["id"]
     )
     assert endpoint["secret"].encode() not in stored and secret.encode() not in stored
-    refused = cli(
-        "add",
-        "https://x.example/",
-        "--events",
-        "job.exploded",
-        env={"TOKENQ_WEBHOOK_SECRET": secret},
-    )
-    assert refused.returncode == 2 and "events must be" in refused.stderr
-    assert cli("remove", endpoint["id"]).returncode == 0
-    assert json.loads(cli("list").stdout) == []
+    code, _, err = cli("add", "https://x.example/", "--events", "job.exploded")
+    assert code == 2 and "events must be" in err
+    assert cli("remove", endpoint["id"])[0] == 0
+    assert json.loads(cli("list")[1]) == []
+    monkeypatch.setenv("TOKENQ_WEBHOOK_SECRET", "not-a-secret")
+    code, _, err = cli("run")
+    assert code == 2 and "whsec_" in err and "not-a-secret" not in err
 
 
 def test_a_keys_endpoints_hear_its_jobs_and_batches_signed_with_their_own_secret(
