@@ -242,7 +242,8 @@ class Dispatcher:
             await self.redis.xack(stream, DISPATCHERS, eid)
             return
         try:
-            await self._in_turn(event, prev)
+            if event.url is not None:  # endpoints hear a job's end alone: nothing before it
+                await self._in_turn(event, prev)
             await self._deliver(event)
             await self._done(
                 keys=[stream, self.keys.hook(subject)],
