@@ -37,11 +37,20 @@ from tokenq.cli import main
 from tokenq.cli.ops import render
 from tokenq.ops.fleet import FleetCollector, FleetReader
 from tokenq.producer.client import Client, make_request
-from tokenq.protocol import JobRequest, Keys, ProtocolError, decode_job
-from tokenq.protocol.webhooks import DISPATCHERS
+from tokenq.protocol import (
+    DoneEvent,
+    Event,
+    JobRequest,
+    Keys,
+    ProtocolError,
+    TokenEvent,
+    decode_job,
+)
+from tokenq.protocol.webhooks import COMPLETED_SEQ, DISPATCHERS, START_SEQ
 from tokenq.server.openai_api import BadRequest, to_submit_kwargs
 from tokenq.webhooks.addresses import Refused, resolve
 from tokenq.webhooks.whsec import new_secret
+from tokenq.worker.scripts import Item, Scripts, event_arg
 from tokenq.worker.worker import Worker
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -108,6 +117,38 @@ def test_the_hook_stream_keeps_the_queues_key_apart_from_its_family() -> None:
     assert keys.hooks(keys.queue("m/odel", 5, "acme")) == "ns:hooks:m/odel:5:acme"
     with pytest.raises(ValueError):
         keys.hooks("other:jobs:m:0:-")
+
+
+def test_publish_writes_webhook_events_once_in_order_and_only_for_the_owner(
+    redis_conn: redis.Redis, redis_namespace: str
+) -> None:
+    keys, jid, fence = Keys(redis_namespace), "j1", b"w1:fence"
+    redis_conn.set(keys.owner(jid), fence)
+    redis_conn.set(keys.job(jid), "running")
+    scripts = Scripts(redis_conn, keys, "workers", "w1")
+    stream = keys.hooks(keys.queue("m", 0, "-"))
+
+    def publish(first: int, events: list[Event], seqs: list[int], status: str = "") -> str:
+        hooks = [(seq, stream, f"event {seq}".encode()) for seq in seqs]
+        item = Item("run", b"q", b"1-1", jid, first, status, [event_arg(e) for e in events])
+        item.hooks = hooks
+        return scripts.publish(fence, [item], 600, 3600, 1000)[0][0]
+
+    token = TokenEvent(0, [5], "a")
+    assert publish(1, [token], [START_SEQ, 1]) == "ok"
+    assert publish(1, [token], [START_SEQ, 1]) == "ok"  # sent again: nothing twice
+    redis_conn.set(keys.owner(jid), b"another:fence")  # taken over: this worker writes nothing
+    assert publish(2, [TokenEvent(1, [6], "b")], [2]) == "lost"
+    redis_conn.set(keys.owner(jid), fence)
+    done = DoneEvent("ab", "length", [5, 6])
+    assert publish(2, [TokenEvent(1, [6], "b"), done], [COMPLETED_SEQ], "done") == "ok"
+    rows = [{k.decode(): v.decode() for k, v in f.items()} for _, f in redis_conn.xrange(stream)]
+    assert [(r["seq"], r["prev"], r["data"]) for r in rows] == [
+        ("0", "-1", "event 0"),
+        ("1", "0", "event 1"),
+        (str(COMPLETED_SEQ), "1", f"event {COMPLETED_SEQ}"),
+    ]
+    assert redis_conn.get(keys.job(jid)) == b"done"
 
 
 # -- where a webhook may go ------------------------------------------------------------
