@@ -1,7 +1,7 @@
 """Webhooks end to end: jobs with webhooks run by a real worker (tiny model), events
 delivered by `tokenq webhooks run` processes to a real HTTP receiver on loopback, which
 verifies every delivery with the `standardwebhooks` package. Faults: the receiver fails
-first attempts and goes down for seconds while a dispatcher is SIGKILLed and restarted;
+first attempts and goes down for seconds while a dispatcher is SIGKILLed and replaced;
 nothing is lost, each event is received once after de-duplication, in order per job."""
 
 from __future__ import annotations
@@ -205,7 +205,8 @@ def test_every_completed_event_arrives_once_in_order_through_failures_and_a_kill
     everything = ["start", "output", "completed"]
     with _worker(tiny_model, redis_url, redis_namespace):
         first = Dispatcher(redis_url, redis_namespace, secret, log, *extra, "--consumer", "d1")
-        with first, Dispatcher(redis_url, redis_namespace, secret, log, *extra):
+        second = Dispatcher(redis_url, redis_namespace, secret, log, *extra, "--consumer", "d2")
+        with first:
             jobs = client.submit_many(
                 make_request(
                     f"story {i}",
@@ -221,10 +222,10 @@ def test_every_completed_event_arrives_once_in_order_through_failures_and_a_kill
             keys = client.keys
             streams = [s.decode() for s in client.redis.smembers(keys.hook_streams)]
             wait_for(lambda: _pending_of(client.redis, streams, "d1") > 0, timeout=10)
-            first.kill()
-            wait_for(lambda: all(j.status() == "done" for j in jobs), timeout=30)
-            hook.start()  # the same port again
-            with Dispatcher(redis_url, redis_namespace, secret, log, *extra, "--consumer", "d3"):
+            with second:  # a second dispatcher joins, the first is killed holding events
+                first.kill()
+                wait_for(lambda: all(j.status() == "done" for j in jobs), timeout=30)
+                hook.start()  # the same port again
                 wait_for(lambda: len(hook.completed()) == 200, timeout=40)
                 wait_for(lambda: _held(client.redis, streams) == 0, timeout=10)
     assert not hook.bad
