@@ -138,6 +138,9 @@ def make_request(
     model: str | None = None,
     tenant: str | None = None,
     metadata: Any = None,
+    webhook: str | None = None,
+    webhook_events_filter: list[str] | None = None,
+    webhook_endpoints: str | None = None,
     **params: Any,
 ) -> JobRequest:
     """A job from keyword arguments; sampling parameters go by vLLM's names. Submitting
@@ -145,7 +148,12 @@ def make_request(
     with `invalid_params` and the message `SamplingParams` gives (build one to check first).
 
     `priority` (lower first) picks the lane by its sign; `lane` alone ("interactive",
-    "default", "batch") stands for priority -1, 0 or 1. Both must agree if both are given."""
+    "default", "batch") stands for priority -1, 0 or 1. Both must agree if both are given.
+
+    `webhook`: a URL told of the job's events, those of `webhook_events_filter` ("start",
+    "output", "completed"; default completed), by `tokenq webhooks run` (docs/protocol.md).
+    `webhook_endpoints`: whose registered endpoints hear its job.completed ("" the
+    namespace's)."""
     if lane is not None and lane not in LANES:
         raise ValueError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
     if priority is None:
@@ -163,6 +171,9 @@ def make_request(
         model=model,
         tenant=tenant,
         metadata=metadata,
+        webhook=webhook,
+        webhook_events_filter=webhook_events_filter,
+        webhook_endpoints=webhook_endpoints,
     )
 
 
@@ -300,6 +311,18 @@ def _submit_args(config: ClientConfig, reqs: list[JobRequest], models: list[str]
         args += [r.job_id, r.model, r.priority, r.tenant or NO_TENANT, r.lane]
         args += [PROTOCOL_VERSION, _payload(r, config.limits)]
     return args
+
+
+def _hook_streams(keys: Keys, reqs: list[JobRequest]) -> list[str]:
+    """The webhook event streams the routed jobs' webhooks will use: listed for dispatchers
+    before the jobs are queued (SADD, one key of its own: no script spans it)."""
+    return sorted(
+        {
+            keys.hooks(keys.queue(r.model, r.priority, r.tenant or NO_TENANT))  # type: ignore[arg-type]
+            for r in reqs
+            if r.webhook is not None or r.webhook_endpoints is not None
+        }
+    )
 
 
 def _submitted(answer: list[Any]) -> list[bool]:
@@ -966,6 +989,9 @@ class Client:
         if self._routing.needs_registry(reqs, queue_anyway):
             self.models()
         args = _submit_args(self.config, reqs, self._routing.resolve(reqs, queue_anyway))
+        hooks = _hook_streams(self.keys, reqs)
+        if hooks:
+            self._retrying(lambda: self.redis.sadd(self.keys.hook_streams, *hooks))
         duplicate = _submitted(self._retrying(lambda: self._submit(args=args)))
         return [Job(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]
 
@@ -1125,6 +1151,9 @@ class AsyncClient:
         if self._routing.needs_registry(reqs, queue_anyway):
             await self.models()
         args = _submit_args(self.config, reqs, self._routing.resolve(reqs, queue_anyway))
+        hooks = _hook_streams(self.keys, reqs)
+        if hooks:
+            await self._retrying(lambda: self.redis.sadd(self.keys.hook_streams, *hooks))
         if gate is None:
             answer = await self._retrying(lambda: self._submit(args=args))
         else:

@@ -29,10 +29,12 @@ from tests.helpers import make_tiny_llama_dir
 from tests.test_batch_api import jsonl, line, upload, wait_status
 from tests.test_gateway import GatewayProcess
 from tests.waits import wait_for
+from tests.webhook_support import Dispatcher, Receiver
 from tokenq.celery.bridge import Bridge, RevokeWatcher
 from tokenq.producer.client import Client
 from tokenq.protocol.acl import ROLES, acl_rules
 from tokenq.protocol.connection import version_tuple
+from tokenq.webhooks.whsec import new_secret
 
 NAMESPACE = "tqacl"
 MODEL = "tiny"
@@ -206,6 +208,26 @@ def run_every_role(server: TlsRedis, gateway: GatewayProcess, tmp_path: Path) ->
     assert run.returncode == 0, run.stderr
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
 
+    # dispatcher: a job's webhook events (the client lists the stream, the worker writes)
+    secret = new_secret()
+    hook = Receiver(secret)
+    hook.start()
+    log = tmp_path / "dispatcher.log"
+    try:
+        with Dispatcher(
+            server.url("dispatcher"), NAMESPACE, secret, log, "--allow-private-webhooks"
+        ):
+            with Client(server.url("client"), namespace=NAMESPACE, model=MODEL) as client:
+                everything = ["start", "output", "completed"]
+                job = client.submit(
+                    "Hook", max_tokens=3, webhook=hook.url, webhook_events_filter=everything
+                )
+                text = job.result(timeout=60).text
+            wait_for(lambda: job.id in hook.completed(), timeout=30)
+        assert hook.completed()[job.id]["data"]["text"] == text and not hook.bad
+    finally:
+        hook.stop()
+
     # gateway: the OpenAI API (limits counted, an Idempotency-Key bound), Files and
     # Batches, the operator's routes
     sdk = openai.OpenAI(base_url=f"{gateway.base}/v1", api_key=API_KEY)
@@ -239,6 +261,14 @@ def run_every_role(server: TlsRedis, gateway: GatewayProcess, tmp_path: Path) ->
     assert result.returncode == 0, result.stderr
     assert tokenq("cancel", task, "--redis-url", admin).returncode == 0
     assert tokenq("dlq", "list", "--redis-url", admin).returncode == 0
+    made = tokenq(
+        "webhooks", "add", "https://hooks.example.com/tq", "--redis-url", admin,
+        "--webhook-secret", secret,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    endpoint = json.loads(made.stdout)["id"]
+    assert endpoint in tokenq("webhooks", "list", "--redis-url", admin).stdout
+    assert tokenq("webhooks", "remove", endpoint, "--redis-url", admin).returncode == 0
     port = free_port()
     exporter = subprocess.Popen(
         [sys.executable, "-m", "tokenq.cli", "exporter", "--redis-url", admin,

@@ -45,6 +45,8 @@ class WorkerConfig:
     max_deliveries: int = 3
     reply_ttl_s: int = 3600  # after done/error
     running_reply_ttl_s: int = 24 * 3600  # while running: bounds what a lost job leaves
+    # A job's webhook state (the order of its events) outlives the dispatchers' retries.
+    hook_ttl_s: int = 25 * 3600
     dead_letter_maxlen: int = 10_000  # entries (approximate, MAXLEN ~)
     # A dead letter keeps the original entry whole up to this size, else a prefix of it:
     # the dead-letter stream stays under about maxlen x this many bytes.

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from tokenq.protocol import ERROR, ErrorEvent, Event, JobRequest, Keys, TokenEvent, lane_of
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.entries import Rejection, dead_letter
+from tokenq.worker.hooks import JobHooks, completed_hook
 from tokenq.worker.logs import job_log
 from tokenq.worker.metrics import WorkerMetrics
 from tokenq.worker.replies import Continuation
@@ -39,6 +40,7 @@ class InFlight:
     started: float = field(default_factory=time.monotonic)  # START asked if it was cancelled
     dead: dict[str, Any] | None = None  # a dead letter, sent with a final error
     output: RequestDelta | None = None  # the engine's final output, once finished
+    hooks: JobHooks | None = None  # its webhook events, when it has a webhook
 
     def queue(self, event: Event) -> None:
         """Tokens that follow unpublished tokens join their event: while Redis falls
@@ -52,6 +54,8 @@ class InFlight:
                 last.logprobs = last.logprobs + event.logprobs
         else:
             self.outbox.append(event)
+        if self.hooks is not None:
+            self.hooks.follow(event)
 
 
 class InFlightTable:
@@ -108,6 +112,17 @@ class InFlightTable:
         queue = self.keys.parse_queue(delivery.stream.decode())
         return None if queue is None else self.keys.backlog(queue[0], lane_of(queue[1]))
 
+    def hook_stream(self, delivery: Taken) -> str | None:
+        """The webhook event stream of the queue an entry came from (None: protocol 1's)."""
+        stream = delivery.stream.decode()
+        return None if self.keys.parse_queue(stream) is None else self.keys.hooks(stream)
+
+    def job_hooks(self, delivery: Taken, job: JobRequest) -> JobHooks | None:
+        stream = self.hook_stream(delivery)
+        if stream is None or (job.webhook is None and job.webhook_endpoints is None):
+            return None
+        return JobHooks(job, stream)
+
     def settle(
         self, delivery: Taken, job_id: str | None, mode: str = "settle", **fields: Any
     ) -> None:
@@ -123,11 +138,17 @@ class InFlightTable:
         return dead_letter(delivery, rejection, c.consumer, c.dead_letter_fields_bytes)
 
     def reject(
-        self, delivery: Taken, rejection: Rejection, mode: str = "settle", release: bool = False
+        self,
+        delivery: Taken,
+        rejection: Rejection,
+        mode: str = "settle",
+        release: bool = False,
+        job: JobRequest | None = None,
     ) -> None:
         """End an entry with an error, and a dead letter for poison input. `release`: this
         worker took the job for this entry (else its id may name a job that runs or ended
-        elsewhere, whose reply PUBLISH leaves alone)."""
+        elsewhere, whose reply PUBLISH leaves alone). `job`: the entry's job, when it could
+        be read (its webhook is told)."""
         jid, eid = rejection.job_id, delivery.entry_id
         queue = self.keys.parse_queue(delivery.stream.decode())
         self.metrics.failed(rejection.code, None if queue is None else lane_of(queue[1]))
@@ -135,7 +156,20 @@ class InFlightTable:
             "job rejected", code=rejection.code, message=rejection.message, entry_id=eid.decode()
         )
         dead = self.dead_letter(delivery, rejection) if rejection.dead_letter else None
-        events = []
+        events, hooks = [], []
         if jid is not None:
-            events = [event_arg(ErrorEvent(rejection.code, rejection.message, rejection.metadata))]
-        self.settle(delivery, jid, mode, status=ERROR, events=events, dead=dead, release=release)
+            error = ErrorEvent(rejection.code, rejection.message, rejection.metadata)
+            events = [event_arg(error)]
+            stream = self.hook_stream(delivery)
+            if job is not None and stream is not None:
+                hooks = completed_hook(job, stream, error)
+        self.settle(
+            delivery,
+            jid,
+            mode,
+            status=ERROR,
+            events=events,
+            dead=dead,
+            release=release,
+            hooks=hooks,
+        )

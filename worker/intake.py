@@ -25,6 +25,7 @@ from tokenq.worker.entries import (
     parse_entry,
     to_monotonic,
 )
+from tokenq.worker.hooks import completed_hook
 from tokenq.worker.inflight import InFlight, InFlightTable
 from tokenq.worker.logs import job_log
 from tokenq.worker.metrics import WorkerMetrics
@@ -274,7 +275,7 @@ class Intake:
                     dead_letter=False,
                     metadata=job.metadata,
                 )
-                self.table.reject(delivery, late, release=True)
+                self.table.reject(delivery, late, release=True, job=job)
             else:
                 next_seq = reply_seq(res.reply[-1][0]) + 1 if res.reply else 1
                 add = self._prepare(delivery, job, history, next_seq)
@@ -300,16 +301,16 @@ class Intake:
             code = getattr(exc, "code", "internal_error")
             message = getattr(exc, "message", f"{type(exc).__name__}: {exc}")
             rejection = Rejection(code, message, jid, metadata=job.metadata)
-            self.table.reject(delivery, rejection, release=True)
+            self.table.reject(delivery, rejection, release=True, job=job)
             return None
         text_by = self.driver.text_by(params)
         if text_by != ENGINE:
             params.detokenize = False  # the engine makes none: `text_by` does
         logprobs = job.params.get("logprobs") is not None
         continuation = Continuation(history, logprobs)
-        self.table.add(
-            InFlight(job, delivery, continuation, next_seq, self.table.backlog(delivery))
-        )
+        inf = InFlight(job, delivery, continuation, next_seq, self.table.backlog(delivery))
+        inf.hooks = self.table.job_hooks(delivery, job)
+        self.table.add(inf)
         job_log(self.log, jid).info(
             "job started",
             entry_id=delivery.entry_id.decode(),
@@ -334,4 +335,8 @@ class Intake:
         self.metrics.cancelled(job.lane)
         job_log(self.log, job.job_id).info("job cancelled before it started")
         events = [event_arg(done)]
-        self.table.settle(delivery, job.job_id, status=DONE, events=events, release=True)
+        stream = self.table.hook_stream(delivery)
+        hooks = [] if stream is None else completed_hook(job, stream, done)
+        self.table.settle(
+            delivery, job.job_id, status=DONE, events=events, release=True, hooks=hooks
+        )

@@ -184,7 +184,7 @@ class Publisher:
         rejection = Rejection(
             refused.code, refused.message, refused.job_id, metadata=inf.job.metadata
         )
-        self.table.reject(inf.delivery, rejection, release=True)
+        self.table.reject(inf.delivery, rejection, release=True, job=inf.job)
 
     def _failed(self, failed: Failed) -> None:
         """Every job of a step failed even alone: the device is broken. What the step
@@ -220,25 +220,35 @@ class Publisher:
                 events=[event_arg(ev) for ev in outbox],
                 dead=inf.dead,
                 backlog=inf.backlog,
+                hooks=inf.hooks.owed(inf.next_seq, outbox, status) if inf.hooks else [],
             )
             for inf, outbox, status in jobs
         ]
         c = self.config
         sent_at = time.monotonic()  # the TTLs the script sets count from about here
         results = self.scripts.publish(
-            self.fence, items + settling, c.running_reply_ttl_s, c.reply_ttl_s, c.dead_letter_maxlen
+            self.fence,
+            items + settling,
+            c.running_reply_ttl_s,
+            c.reply_ttl_s,
+            c.dead_letter_maxlen,
+            c.hook_ttl_s,
         )
         self._fresh = False  # all that was collected went out (outputs are collected here)
         self._step_failures = 0 if jobs else self._step_failures
         finished: list[InFlight] = []
         with table.lock:
             del table.settling[: len(settling)]
-            for (inf, outbox, status), (outcome, cancelled) in zip(jobs, results, strict=False):
+            for (inf, outbox, status), item, (outcome, cancelled) in zip(
+                jobs, items, results, strict=False
+            ):
                 jid = inf.job.job_id
                 assert jid is not None
                 if outcome == "lost":
                     self._lose(inf)
                     continue
+                if inf.hooks is not None:
+                    inf.hooks.sent(item.hooks)
                 inf.next_seq += len(outbox)
                 del inf.outbox[: len(outbox)]
                 inf.sent = 0

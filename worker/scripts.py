@@ -43,6 +43,7 @@ class Item:
     dead: dict[str, Any] | None = None  # a dead-letter entry to add
     release: bool = False  # "settle": this worker took the job's owner key for this entry
     backlog: str | None = None  # the lane's backlog counter, decremented on acknowledgement
+    hooks: list[tuple[int, str, bytes]] = field(default_factory=list)  # webhook: seq, stream, data
 
 
 OUTCOMES = {b"o": "ok", b"l": "lost", b"g": "gone", b"k": "kept"}
@@ -145,19 +146,23 @@ class Scripts:
         running_ttl_s: int,
         reply_ttl_s: int,
         dead_maxlen: int,
+        hook_ttl_s: int = 90_000,
     ) -> list[tuple[str, bool]]:
-        """(outcome, cancel requested) per item; see PUBLISH."""
+        """(outcome, cancel requested) per item; see PUBLISH. `hook_ttl_s`: how long a job's
+        webhook state lives (its retry time and more)."""
         args: list[Any] = [token, self.consumer, self.group, running_ttl_s, reply_ttl_s]
-        args += [dead_maxlen, self.keys.namespace]
+        args += [dead_maxlen, self.keys.namespace, hook_ttl_s]
         for it in items:
             dead = [x for pair in it.dead.items() for x in pair] if it.dead else []
             head = _head(it.mode, it.job_id, it.stream, it.entry_id, it.backlog)
             args.append(
                 f"{head} {it.first_seq} {it.status or '-'} {int(it.release)} "
-                f"{len(it.events)} {len(dead)}"
+                f"{len(it.events)} {len(dead)} {len(it.hooks)}"
             )
             args += it.events
             args += dead
+            for seq, stream, data in it.hooks:
+                args += [f"{seq} {stream}", data]
         answer = self._evalsha(self._publish, [self.keys.dead], args)
         return [
             (OUTCOMES[answer[i : i + 1]], answer[i + 1 : i + 2] == b"1")

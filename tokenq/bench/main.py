@@ -13,6 +13,7 @@ TARGETS = {
     "kernels": "the kernels against copy bandwidth (GPU) or the torch ops they replace (CPU)",
     "invariance": "greedy output batched against each prompt alone, per dtype",
     "structured": "W1 with every request JSON-Schema constrained against it unconstrained",
+    "webhooks": "the webhook dispatcher against plain HTTP posts, and its added latency",
 }
 
 

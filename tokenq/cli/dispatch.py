@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tokenq.cli import batch, celery, client, ops, serve
+from tokenq.cli import batch, celery, client, ops, serve, webhooks
 from tokenq.cli.options import (  # the exit statuses, documented there
     EXIT_JOB_FAILED,
     EXIT_QUEUE_FULL,
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_commands(sub)
     serve.add_commands(sub)
     ops.add_commands(sub)
+    webhooks.add_commands(sub)
     for name, help in WORKER_COMMANDS.items():
         sub.add_parser(name, help=help, add_help=False)
     return parser

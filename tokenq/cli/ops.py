@@ -287,6 +287,19 @@ def render(fleet: Fleet, url: str) -> str:
         f"dead letters: {fleet.dead_letters}"
         + ("  (tokenq dlq list)" if fleet.dead_letters else ""),
     ]
+    hooks = fleet.webhooks
+    out += [
+        "",
+        f"webhooks: {hooks.backlog} events to deliver ({hooks.held} held by dispatchers) in "
+        f"{hooks.streams} streams; {hooks.failures} deliveries given up; {hooks.endpoints} "
+        f"endpoints ({hooks.endpoints_disabled} disabled)",
+    ]
+    for f in hooks.recent_failures:
+        when = _when(float(f.get("at") or 0))
+        out.append(
+            f"  {when}  {f.get('type')} of {f.get('subject')} to {f.get('url')}: "
+            f"{f.get('outcome')} ({f.get('reason')})"
+        )
     return "\n".join(out)
 
 

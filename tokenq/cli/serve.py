@@ -116,6 +116,12 @@ def access_options(serve: argparse.ArgumentParser) -> None:
     option(serve, "--admin-key", help="needed for /metrics and /dashboard")
     option(
         serve,
+        "--webhook-secret",
+        help="the namespace's whsec_ secret: enables /v1/webhooks (each endpoint's secret "
+        "derives from it)",
+    )
+    option(
+        serve,
         "--admin-port",
         type=int,
         help="serve /metrics and /dashboard on this port instead of the public one",
@@ -160,6 +166,14 @@ def serve_main(argv: list[str]) -> int:
     from tokenq.server.gateway import GatewayConfig, serve
 
     args = parser.parse_args(argv)
+    if args.webhook_secret:
+        from tokenq.webhooks.whsec import secret_bytes
+
+        try:
+            secret_bytes(args.webhook_secret)
+        except ValueError as exc:
+            print(f"tokenq serve: --webhook-secret: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     policy = Policy(
         requests_per_minute=args.requests_per_minute,
         tokens_per_minute=args.tokens_per_minute,
@@ -181,6 +195,7 @@ def serve_main(argv: list[str]) -> int:
         admin_port=args.admin_port,
         admin_host=args.admin_host,
         log_payloads=args.log_payloads,
+        webhook_secret=args.webhook_secret,
     )
     batches = BatchConfig(
         max_file_bytes=args.max_file, poll_s=args.batch_poll, lock_ttl_s=args.batch_lock_ttl

@@ -115,6 +115,19 @@ class Consumer:
 
 
 @dataclass
+class Webhooks:
+    """Webhook events not yet delivered, and deliveries given up (docs/protocol.md)."""
+
+    streams: int = 0  # webhook event streams listed
+    backlog: int = 0  # events in them: waiting for a dispatcher, or held by one
+    held: int = 0  # of those, held by a dispatcher (delivering, waiting their turn, retrying)
+    failures: int = 0  # deliveries given up (the failures stream, capped at about 10,000)
+    recent_failures: list[dict[str, str]] = field(default_factory=list)  # the newest few
+    endpoints: int = 0
+    endpoints_disabled: int = 0  # answered 410 Gone
+
+
+@dataclass
 class Fleet:
     namespace: str
     at: float  # Redis's clock, unix seconds
@@ -122,6 +135,7 @@ class Fleet:
     workers: list[RegisteredWorker]
     pending: list[Consumer]
     dead_letters: int
+    webhooks: Webhooks = field(default_factory=Webhooks)
 
     def to_json(self) -> dict[str, Any]:
         """As data, each labelled figure of a worker's load nested: `{"name": [{label: value,
@@ -211,7 +225,30 @@ class FleetReader:
         models = [Model(n, serving[n], lanes[n]) for n in sorted(names)]
         pending = self._pending(queues, {w.consumer for w in live}, entries)
         dead = self.redis.xlen(self.keys.dead)
-        return Fleet(self.keys.namespace, round(now, 3), models, workers, pending, dead)
+        hooks = self._webhooks()
+        return Fleet(self.keys.namespace, round(now, 3), models, workers, pending, dead, hooks)
+
+    def _webhooks(self, shown: int = 5) -> Webhooks:
+        k = self.keys
+        streams = sorted({m.decode() for m in self.redis.smembers(k.hook_streams)})
+        streams.append(k.batch_hooks)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for stream in streams:
+                pipe.xlen(stream)
+                pipe.xinfo_groups(stream)
+            pipe.xlen(k.webhook_failures)
+            pipe.xrevrange(k.webhook_failures, count=shown)
+            pipe.hgetall(k.webhook_endpoints)
+            answers = pipe.execute(raise_on_error=False)
+        backlog = held = 0
+        for length, groups in zip(answers[0:-3:2], answers[1:-3:2], strict=True):
+            backlog += length if isinstance(length, int) else 0
+            if isinstance(groups, list):
+                held += sum(int(g.get("pending", 0)) for g in groups)
+        failures, recent, records = answers[-3:]
+        newest = [{_text(a) or "": _text(b) or "" for a, b in f.items()} for _, f in recent]
+        disabled = sum(bool(json.loads(r).get("disabled")) for r in records.values())
+        return Webhooks(len(streams) - 1, backlog, held, failures, newest, len(records), disabled)
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -410,6 +447,10 @@ FLEET_METRICS = {
     "tokenq:dead_letters": "Entries in the dead-letter stream (capped at about 10,000)",
     "tokenq:workers_live": "Live workers serving a model name",
     "tokenq:workers_silent": "Registered workers silent for longer than the stale time",
+    "tokenq:webhook_backlog": "Webhook events not yet delivered (waiting or held)",
+    "tokenq:webhook_held": "Webhook events held by dispatchers (delivering or retrying)",
+    "tokenq:webhook_failures": "Webhook deliveries given up (capped at about 10,000)",
+    "tokenq:webhook_endpoints_disabled": "Webhook endpoints disabled by a 410 Gone",
 }
 
 
@@ -479,3 +520,13 @@ class FleetCollector(Collector):
         silent = gauge("tokenq:workers_silent")
         silent.add_metric([], sum(not w.live for w in fleet.workers))
         yield silent
+        hooks = fleet.webhooks
+        for name, value in (
+            ("tokenq:webhook_backlog", hooks.backlog),
+            ("tokenq:webhook_held", hooks.held),
+            ("tokenq:webhook_failures", hooks.failures),
+            ("tokenq:webhook_endpoints_disabled", hooks.endpoints_disabled),
+        ):
+            figure = gauge(name)
+            figure.add_metric([], value)
+            yield figure

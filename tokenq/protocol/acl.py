@@ -11,14 +11,16 @@ and Redis's ACL log stays empty.
 - `worker`: `tokenq worker` for the models named.
 - `gateway`: `tokenq serve`: a client, plus its bookmarks, per-key limits, Files and
   Batches, and the fleet's gauges for /metrics and /dashboard.
-- `admin`: `tokenq inspect`, `result`, `cancel`, `dlq`, `exporter`.
+- `admin`: `tokenq inspect`, `result`, `cancel`, `dlq`, `exporter`, `webhooks add/list/
+  remove`.
+- `dispatcher`: `tokenq webhooks run`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-ROLES = ("client", "worker", "gateway", "admin")
+ROLES = ("client", "worker", "gateway", "admin", "dispatcher")
 
 # Any connection: a client may name its connection (client_name=), PING checks an idle
 # one; INFO server tells a stream reader how a blocked XREAD of several streams wakes
@@ -34,10 +36,11 @@ _CLIENT = (
     *_CONNECTION, *_SCRIPTS, *_SUBMIT,
     "xread",  # replies
     "zrangebyscore", "hgetall",  # the registry of live workers
+    "sadd",  # the webhook event streams, listed for dispatchers
 )  # fmt: skip
 _FLEET = (  # tokenq/ops/fleet.py: what /metrics, /dashboard and `inspect` read
     "time", "scan", "xlen", "zrange", "hgetall", "hmget", "get", "xinfo|groups", "xrange",
-    "xrevrange", "xpending", "multi", "exec",
+    "xrevrange", "xpending", "multi", "exec", "smembers",
 )  # fmt: skip
 COMMANDS: dict[str, tuple[str, ...]] = {
     "client": _CLIENT,
@@ -70,6 +73,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         "xautoclaim",
         "xgroup|create",
         "xinfo|groups",
+        "hget",  # a job's webhook state (publish.lua)
     ),  # fmt: skip
     "gateway": (
         *_CLIENT,
@@ -107,6 +111,26 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         "xtrim",
         "xdel",
         "del",  # dlq purge, replay (replay.lua)
+        "hset",
+        "hget",
+        "hdel",  # webhook endpoints
+    ),  # fmt: skip
+    "dispatcher": (
+        *_CONNECTION,
+        *_SCRIPTS,
+        "smembers",
+        "xgroup|create",
+        "xreadgroup",
+        "xautoclaim",
+        "xclaim",
+        "xack",  # events
+        "xdel",
+        "hget",
+        "hset",
+        "expire",  # hook_done.lua
+        "hgetall",
+        "sadd",
+        "xadd",  # endpoints, gone URLs, failures
     ),  # fmt: skip
 }
 
@@ -123,9 +147,10 @@ def _keys(namespace: str, role: str, models: Iterable[str]) -> list[str]:
             f"{ns}:bell:{model}",
         )
     ]  # fmt: skip
-    jobs = [f"{ns}:{kind}:*" for kind in ("job", "reply", "cancel", "owner", "entry")]
+    jobs = [f"{ns}:{kind}:*" for kind in ("job", "reply", "cancel", "owner", "entry", "hook")]
+    hooks = [f"{ns}:hooks:{model}:*" for model in models]
     fleet = [f"{ns}:workers", f"{ns}:worker:*", f"{ns}:metrics:*", f"{ns}:dead"]
-    return ["~" + p for p in (*own, *jobs, *fleet, f"{ns}:void", f"{ns}:jobs")]
+    return ["~" + p for p in (*own, *hooks, *jobs, *fleet, f"{ns}:void", f"{ns}:jobs")]
 
 
 def acl_rules(

@@ -15,6 +15,7 @@ from tokenq.protocol.errors import InvalidRequest, ProtocolError, quote
 from tokenq.protocol.keys import JOB_ID_RE, MODEL_RE, TENANT_RE, lane_of
 from tokenq.protocol.limits import DEFAULT_LIMITS, MAX_PRIORITY, Limits
 from tokenq.protocol.params import are_token_ids, check_sizes
+from tokenq.protocol.webhooks import check_owner, check_webhook
 
 PROTOCOL_VERSION = 2  # 2: queues per model, priority and tenant (1: one job stream)
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -28,6 +29,9 @@ PAYLOAD_FIELDS = frozenset(
         "tenant",
         "metadata",
         "submitted_at",
+        "webhook",
+        "webhook_events_filter",
+        "webhook_endpoints",
     }
 )
 
@@ -80,6 +84,10 @@ class JobRequest:
     tenant: str | None = None
     metadata: Any = None
     submitted_at: float | None = None
+    webhook: str | None = None  # a URL told of the job's events (docs/protocol.md, "Webhooks")
+    webhook_events_filter: list[str] | None = None  # start, output, completed (the default)
+    # Whose endpoints hear the job's job.completed: "" the namespace's, else an API key's.
+    webhook_endpoints: str | None = None
 
     def validate(self, limits: Limits = DEFAULT_LIMITS) -> None:
         """Structural checks both sides can make without the model; raises ProtocolError.
@@ -136,6 +144,11 @@ class JobRequest:
             not isinstance(self.tenant, str) or not TENANT_RE.fullmatch(self.tenant)
         ):
             raise bad(f"tenant {quote(self.tenant)} must match {TENANT_RE.pattern}")
+        refused = check_webhook(self.webhook, self.webhook_events_filter)
+        if refused is None and self.webhook_endpoints is not None:
+            refused = check_owner(self.webhook_endpoints)
+        if refused is not None:
+            raise bad(refused)
         if self.metadata is not None:
             try:
                 size = len(pack(self.metadata))
@@ -188,7 +201,16 @@ class JobRequest:
             out["params"] = self.params
         if self.priority:
             out["priority"] = self.priority
-        for name in ("deadline", "model", "tenant", "metadata", "submitted_at"):
+        for name in (
+            "deadline",
+            "model",
+            "tenant",
+            "metadata",
+            "submitted_at",
+            "webhook",
+            "webhook_events_filter",
+            "webhook_endpoints",
+        ):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -252,6 +274,9 @@ def decode_job(fields: dict[bytes, bytes], limits: Limits = DEFAULT_LIMITS) -> J
         tenant=data.get("tenant"),
         metadata=data.get("metadata"),
         submitted_at=data.get("submitted_at"),
+        webhook=data.get("webhook"),
+        webhook_events_filter=data.get("webhook_events_filter"),
+        webhook_endpoints=data.get("webhook_endpoints"),
     )
     job.validate(limits)
     return job

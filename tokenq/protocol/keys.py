@@ -106,6 +106,49 @@ class Keys:
     def metrics(self, consumer: str) -> str:
         return f"{self.namespace}:metrics:{consumer}"
 
+    # --- webhooks (docs/protocol.md, "Webhooks") ---
+
+    def hooks(self, queue: str) -> str:
+        """The webhook event stream of a queue: the queue's key with its `jobs` part named
+        `hooks`, so that it keeps any shard tag the queue's key carries and a script that
+        ends a job writes the job's event beside its queue. Consumer group `dispatchers`."""
+        prefix = f"{self.namespace}:jobs:"
+        if not queue.startswith(prefix):
+            raise ValueError(f"not a queue of namespace {self.namespace}: {queue!r}")
+        return f"{self.namespace}:hooks:{queue[len(prefix) :]}"
+
+    @property
+    def batch_hooks(self) -> str:
+        """The webhook event stream of batch events (batch.completed, ...)."""
+        return f"{self.namespace}:hooks:batches"
+
+    @property
+    def hook_streams(self) -> str:
+        """Set of the webhook event streams that dispatchers read, added to by producers
+        before they queue a job with a webhook (and by gateways for batches)."""
+        return f"{self.namespace}:hookstreams"
+
+    def hook(self, subject: str) -> str:
+        """Hash of a job's (or batch's) webhook events: `last`, the seq of the last one
+        written; `done`, the seq of the last one delivered (or given up): its events go
+        out in order."""
+        return f"{self.namespace}:hook:{subject}"
+
+    @property
+    def webhook_endpoints(self) -> str:
+        """Hash: endpoint id -> its record (URL, event types, owner, encrypted secret)."""
+        return f"{self.namespace}:webhook:endpoints"
+
+    @property
+    def webhook_gone(self) -> str:
+        """Set of jobs' webhook URLs that answered 410 Gone: nothing more is sent there."""
+        return f"{self.namespace}:webhook:gone"
+
+    @property
+    def webhook_failures(self) -> str:
+        """Stream of deliveries given up (retry time spent, endpoint gone, address refused)."""
+        return f"{self.namespace}:webhook:failures"
+
 
 def new_job_id() -> str:
     """A random UUID (version 4) as 32 hex digits, as `uuid.uuid4().hex` writes it, made

@@ -59,8 +59,9 @@ from tokenq.batch.runner import (
     parse_line,
 )
 from tokenq.producer.client import Client
-from tokenq.protocol import Keys
+from tokenq.protocol import Keys, pack
 from tokenq.protocol.scripts import source
+from tokenq.protocol.webhooks import HookEvent
 from tokenq.server.auth import ANONYMOUS, KeyRing, Principal, apply_principal
 from tokenq.server.openai_api import BadRequest, error_body
 from tokenq.server.ratelimit import SyncMeter
@@ -130,6 +131,14 @@ class BatchKeys:
     @property
     def active(self) -> str:
         return f"{self.ns}:batches:active"
+
+
+def batch_event(batch_id: str, status: str, obj: dict[str, Any], owner: str) -> bytes:
+    """The webhook event of a batch's end: batch.completed, .failed, .cancelled, .expired,
+    for its owner's endpoints and the namespace's."""
+    kind = f"batch.{status}"
+    event = HookEvent(batch_id, 0, kind, obj, time.time(), owner=owner)
+    return pack(event.payload())
 
 
 def _text(value: bytes | None) -> str | None:
@@ -371,8 +380,18 @@ class BatchRunner:
                 await self.release(keys=[self.keys.lock(batch_id)], args=[self.token])
 
     async def move(self, batch_id: str, to: str, stamp: str, *sources: str) -> bool:
-        args = [to, stamp, int(time.time()), *sources]
-        return bool(await self.transition(keys=[self.keys.batch(batch_id)], args=args))
+        """Move the batch if it is in one of `sources`; an end writes its webhook event
+        (the batch object as it then is) in the same call."""
+        now = int(time.time())
+        event = b""
+        if to in FINAL:
+            h = await self.redis.hgetall(self.keys.batch(batch_id))
+            if h:
+                after = {**h, b"status": to.encode(), stamp.encode(): str(now).encode()}
+                event = batch_event(batch_id, to, batch_object(batch_id, after), owner_of(h))
+        hooks = Keys(self.namespace)
+        keys = [self.keys.batch(batch_id), hooks.batch_hooks, hooks.webhook_endpoints]
+        return bool(await self.transition(keys=keys, args=[to, stamp, now, event, *sources]))
 
     async def _drive(self, batch_id: str) -> None:
         key = self.keys.batch(batch_id)

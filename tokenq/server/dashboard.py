@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
@@ -246,6 +246,7 @@ class FleetView:
                     for d in letters
                 ],
             },
+            "webhooks": asdict(fleet.webhooks),
             "history": {"window_s": self.rates.history_s, "points": points},
         }
 

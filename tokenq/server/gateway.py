@@ -98,6 +98,7 @@ from tokenq.server.ratelimit import (
     RateLimiter,
     estimate_tokens,
 )
+from tokenq.server.webhooks_api import EndpointOwners, webhooks_router
 
 KEEP_RUNNING = "x-tokenq-keep-running"
 TIMEOUT_HEADER = "x-tokenq-timeout"
@@ -137,6 +138,8 @@ class GatewayConfig:
     admin_port: int | None = None  # serve those there instead of on the public port
     admin_host: str = "127.0.0.1"
     log_payloads: bool = False  # prompts and outputs at INFO, for debugging
+    # The namespace's whsec_ secret: /v1/webhooks derives each endpoint's secret from it.
+    webhook_secret: str | None = field(default=None, repr=False)
 
 
 def key_ring(config: GatewayConfig) -> KeyRing:
@@ -384,6 +387,8 @@ async def _submit(request: Request, kind: str) -> Submitted:
     form = rendering(kind, body)
     principal.policy.check_priority(kwargs.get("priority", 0))
     apply_principal(kwargs, principal)
+    if await app.state.endpoint_owners.hears_jobs(principal.id):
+        kwargs["webhook_endpoints"] = principal.id  # its endpoints hear its jobs' ends
     key = _idempotency_key(request)
     job_id = new_job_id() if key is None else principal.job_id(key)
     timeout = _timeout(request, config)
@@ -817,6 +822,7 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
         app.state.client = client
         app.state.redis = client.redis
         app.state.limiter = RateLimiter(client.redis, config.namespace, client.config.job_ttl)
+        app.state.endpoint_owners = EndpointOwners(client.redis, client.keys)
         app.state.leaving = set()
         hangup = _reload_on_hangup(ring)
         await _say_where(app, client)
@@ -840,6 +846,7 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
     if fleet is not None:
         app.include_router(dashboard_router(fleet, config.namespace))
     app.include_router(batch_router(batches))  # /v1/files, /v1/batches and their runner
+    app.include_router(webhooks_router())  # /v1/webhooks: a key's own endpoints
     app.add_middleware(
         Guard,
         ring=ring,

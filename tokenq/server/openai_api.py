@@ -38,6 +38,7 @@ from tokenq.protocol import (
     quote,
 )
 from tokenq.protocol.structured import check as check_structured
+from tokenq.protocol.webhooks import check_webhook
 
 COMPLETIONS, CHAT = "completions", "chat"
 KINDS = (COMPLETIONS, CHAT)
@@ -70,6 +71,8 @@ _COMMON = frozenset(
         "lane",
         "response_format",  # text, json_object, json_schema
         "structured_outputs",  # vLLM's extra body field
+        "webhook",  # Replicate's: a URL told of the job's events (docs/protocol.md)
+        "webhook_events_filter",
     }
 )
 FIELDS = {
@@ -393,7 +396,20 @@ def to_submit_kwargs(kind: str, body: Any, limits: Limits = DEFAULT_LIMITS) -> d
         if not isinstance(user, str) or not TENANT_RE.fullmatch(user):
             raise BadRequest(f"user {quote(user)} must match {TENANT_RE.pattern}", "user")
         kwargs["tenant"] = user
+    kwargs.update(_webhook(body))
     return kwargs
+
+
+def _webhook(body: dict[str, Any]) -> dict[str, Any]:
+    webhook, events = body.get("webhook"), body.get("webhook_events_filter")
+    refused = check_webhook(webhook, events)
+    if refused is not None:
+        name = "webhook_events_filter"
+        raise BadRequest(refused, name if refused.startswith(name) else "webhook")
+    out: dict[str, Any] = {} if webhook is None else {"webhook": webhook}
+    if events is not None:
+        out["webhook_events_filter"] = events
+    return out
 
 
 # --- responses -----------------------------------------------------------------------

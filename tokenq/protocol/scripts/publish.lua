@@ -4,8 +4,9 @@
 -- letter; the job's keys are built here from the namespace (one Redis, not a cluster).
 -- KEYS: the dead-letter stream
 -- ARGV: fencing token, consumer, group, running ttl, reply ttl, dead-letter maxlen,
---       namespace, then per item: "mode job stream entry backlog first status release
---       #events #dead" ("-" for none), the events, the dead letter's field/value pairs
+--       namespace, webhook state ttl, then per item: "mode job stream entry backlog first
+--       status release #events #dead #hooks" ("-" for none), the events, the dead letter's
+--       field/value pairs, then per webhook event "seq stream" and its msgpack payload
 -- Reply: two characters per item: its outcome (o ok, l lost, g gone, k kept) and whether
 --        the job's cancel key is set (0/1)
 -- Modes:
@@ -22,8 +23,14 @@
 --   Release "1": this worker took the job's owner key for this entry, and frees it.
 -- "orphan": an entry Redis already dropped from the pending list (XAUTOCLAIM reports
 --   trimmed entries so): only its dead letter is written.
+-- Webhook events go to their stream (the queue's `hooks` stream, docs/protocol.md) only
+-- with the events they follow: with a fenced "run" write, and a job's completed event only
+-- with its terminal event. Each carries its seq and the seq of the job's previous webhook
+-- event (`prev`, -1 for none: dispatchers deliver in that order); one whose seq is not
+-- above the job's last (a re-sent call, a re-run) is not written again.
 local token, consumer, group = ARGV[1], ARGV[2], ARGV[3]
 local running_ttl, reply_ttl, dead_maxlen, ns = ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+local hook_ttl = ARGV[8]
 local dead = KEYS[1]
 local TYPES = {t = 'token', d = 'done', e = 'error', r = 'restart'}
 
@@ -102,16 +109,33 @@ local function add_dead(first, n)
   end
 end
 
+-- A job's webhook events, in order, each once; `n` of them from ARGV[h].
+local function add_hooks(jid, h, n)
+  if n == 0 then return end
+  local state = ns .. ':hook:' .. jid
+  local last = tonumber(redis.call('HGET', state, 'last') or '-1')
+  for k = 0, n - 1 do
+    local seq, hooks = string.match(ARGV[h + 2 * k], '^(%d+) (%S+)$')
+    if tonumber(seq) > last then
+      redis.call('XADD', hooks, '*', 'job', jid, 'seq', seq, 'prev', last, 'data', ARGV[h + 2 * k + 1])
+      last = tonumber(seq)
+      redis.call('HSET', state, 'last', seq)
+    end
+  end
+  redis.call('EXPIRE', state, hook_ttl)
+end
+
 local out = {}
-local a = 8
+local a = 9
 while a <= #ARGV do
-  local mode, jid, stream, entry, backlog, first, status, release, nev, ndead = string.match(
-    ARGV[a], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%d+) (%S+) (%d) (%d+) (%d+)$')
-  first, nev, ndead = tonumber(first), tonumber(nev), tonumber(ndead)
+  local mode, jid, stream, entry, backlog, first, status, release, nev, ndead, nhooks =
+    string.match(ARGV[a], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%d+) (%S+) (%d) (%d+) (%d+) (%d+)$')
+  first, nev, ndead, nhooks = tonumber(first), tonumber(nev), tonumber(ndead), tonumber(nhooks)
   if status == '-' then status = '' end
   local ev = a + 1
   local dl = ev + nev
-  a = dl + ndead
+  local hk = dl + ndead
+  a = hk + 2 * nhooks
   local outcome, cancelled = 'o', 0
   local owner, reply = ns .. ':owner:' .. jid, ns .. ':reply:' .. jid
   local job, cancel = ns .. ':job:' .. jid, ns .. ':cancel:' .. jid
@@ -123,6 +147,7 @@ while a <= #ARGV do
   if mode == 'run' then
     if holder == token then
       append(reply, first, ev, nev)
+      add_hooks(jid, hk, nhooks)
       if status == 'running' then
         redis.call('SET', job, 'running', 'XX', 'KEEPTTL')
         redis.call('EXPIRE', reply, running_ttl)
@@ -154,6 +179,7 @@ while a <= #ARGV do
         outcome = 'k'
       else
         append(reply, last_seq(reply) + 1, ev, nev)
+        add_hooks(jid, hk, nhooks)
         redis.call('EXPIRE', reply, reply_ttl)
         if status ~= '' then finish(job, status) end
         redis.call('DEL', cancel, ns .. ':entry:' .. jid)
