@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import redis
 
-
 NODE_TIMEOUT_MS = 1000  # a dead primary's replica takes over within a few seconds
 
 
@@ -43,7 +42,9 @@ class LocalCluster:
                 "redis-server", "--port", str(port), "--bind", "127.0.0.1",
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--appendonly", "yes",
-                "--save", "", "--dir", str(node),
+                # a replica may always take over (its data is as fresh as replication made it)
+                "--cluster-replica-validity-factor", "0",
+                "--save", "", "--dir", str(node), "--logfile", "redis.log",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -133,7 +134,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
         deadline = time.monotonic() + 30
-        while not (cluster.healthy() and len(cluster.primaries()) == 3 and _replicas_synced(cluster)):
+        while not (cluster.healthy() and _replicas_synced(cluster)):
             if time.monotonic() > deadline:
                 pytest.fail("redis cluster did not become healthy")
             time.sleep(0.1)
@@ -143,7 +144,10 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
 
 
 def _replicas_synced(cluster: LocalCluster) -> bool:
-    for port in cluster.primaries():
+    primaries = cluster.primaries()
+    if len(primaries) != 3:
+        return False
+    for port in primaries:
         info = cluster.node(port).info("replication")
         if info.get("connected_slaves", 0) < 1:
             return False

@@ -4,15 +4,66 @@ any node, the key layout by shard, jobs end to end, failover, and the load's spr
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from tests.cluster_fixtures import LocalCluster, redis_cluster  # noqa: F401
-from tokenq.protocol import Keys
+from tests.worker_support import (
+    CLIENT,
+    WorkerThread,
+    check_reply,
+    fast_config,
+    make_engine,
+    pending,
+    queued,
+    reference_run,
+    tiny_model,  # noqa: F401
+)
+from tokenq.producer.client import Client, Job, make_request
+from tokenq.protocol import Keys, TokenEvent, decode_event
 from tokenq.protocol.connection import Cluster, cluster_seeds, connect
 from tokenq.protocol.keys import Layout, shard_tags
+from tokenq.worker.config import connect as worker_connect
+from tokenq.worker.worker import Worker
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture
+def cluster_namespace(redis_cluster: LocalCluster) -> Any:  # noqa: F811
+    """A namespace of its own on the cluster; its keys are deleted afterwards (every
+    primary's), and only those."""
+    namespace = f"tqc-{uuid.uuid4().hex[:10]}"
+    yield namespace
+    for port in redis_cluster.primaries():
+        node = redis_cluster.node(port)
+        for key in node.scan_iter(match=f"{namespace}:*", count=1000):
+            node.delete(key)
+
+
+def _check_jobs(
+    client: Client, jobs: list[Job], requests: list[dict[str, Any]], model: Path
+) -> None:
+    """Each job: one terminal event, every token index once, the engine's own tokens; every
+    shard's queues empty and nothing pending."""
+    expected = reference_run(model, requests)
+    for job, (_, final) in zip(jobs, expected, strict=True):
+        shard = client._shard(job.id)
+        events = [decode_event(i, f) for i, f in shard.redis.xrange(shard.keys.reply(job.id))]
+        reply = check_reply(events)
+        assert reply.done.token_ids == final.token_ids, job.id
+        indices = [
+            i for e in events if isinstance(e, TokenEvent)
+            for i in range(e.index, e.index + len(e.token_ids))
+        ]  # fmt: skip
+        assert len(indices) == len(set(indices)), f"{job.id}: a token index twice"
+    for shard in client._shards:
+        assert queued(shard.redis, shard.keys) == 0
+        assert pending(shard.redis, shard.keys) == []
 
 
 def test_a_plain_url_of_any_node_is_found_to_be_a_cluster(
@@ -64,3 +115,26 @@ def test_one_server_keeps_its_key_names() -> None:
     assert layout.of("abc") == Keys("tokenq")
     assert Keys("tokenq").queue("m", 0, "-") == "tokenq:jobs:m:0:-"
     assert Keys("tokenq").reply("abc") == "tokenq:reply:abc"
+
+
+def test_jobs_across_every_shard_equal_the_engine_and_leave_nothing_pending(
+    tiny_model: Path,  # noqa: F811
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    assert client.layout.count == 3  # one shard per primary, the namespace's setting now
+    requests = [{"prompt": f"story {i}", "params": {"max_tokens": 12, **GREEDY}} for i in range(9)]
+    jobs = client.submit_many(
+        make_request(r["prompt"], job_id=f"job-{i}", **r["params"]) for i, r in enumerate(requests)
+    )
+    assert {client.layout.index(j.id) for j in jobs} == {0, 1, 2}
+    config = fast_config(cluster_namespace)
+    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    with WorkerThread(worker):
+        ended = [e for _, e in client.stream_many(jobs, timeout=60) if e.type == "done"]
+        assert len(ended) == len(jobs)
+        again = client.submit_many([make_request("story 0", job_id=jobs[0].id)])
+        assert again[0].duplicate  # the retried id found its shard and its job
+    _check_jobs(client, jobs, requests, tiny_model)
+    client.close()

@@ -23,6 +23,7 @@ from tokenq.worker.scripts import Item, Scripts, event_arg
 
 if TYPE_CHECKING:
     from tokenq.engine.outputs import RequestDelta
+    from tokenq.worker.shards import ShardedScripts
     from tokenq.worker.driver import EngineDriver
     from tokenq.worker.remote import RemoteEngine
 
@@ -38,7 +39,7 @@ class Publisher:
     def __init__(
         self,
         conn: redis.Redis,
-        scripts: Scripts,
+        scripts: Scripts | ShardedScripts,
         config: WorkerConfig,
         driver: EngineDriver | RemoteEngine,
         table: InFlightTable,

@@ -16,6 +16,8 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url
 
+from tokenq.protocol.keys import shards_key
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # `redis+cluster://h1:p1,h2:p2/` (or `rediss+cluster://`) forces cluster mode and may list
 # several seed nodes; a plain URL naming any node of a cluster is found to be one.
@@ -83,10 +85,13 @@ def is_cluster_node(conn: redis.Redis) -> bool:
 def connect(url: str = DEFAULT_REDIS_URL, **options: Any) -> redis.Redis | Cluster:
     """The connection every component opens from a URL: a `redis.Redis` for one server
     (no extra round trip beyond one INFO), a `Cluster` for a node of a Redis Cluster or a
-    `redis+cluster://` URL. `options` are redis-py's connection options."""
+    `redis+cluster://` URL. `options` are redis-py's connection and pool options
+    (`connection_pool_class` among them)."""
     seeds = cluster_seeds(url)
     if seeds is None:
-        conn = redis.Redis.from_url(url, **options)
+        pool_class = options.get("connection_pool_class", redis.ConnectionPool)
+        plain = {k: v for k, v in options.items() if k != "connection_pool_class"}
+        conn = redis.Redis.from_pool(pool_class.from_url(url, **plain))
         if not is_cluster_node(conn):
             return conn
         conn.close()
@@ -120,9 +125,21 @@ class Cluster:
             startup_nodes=[ClusterNode(host, port) for host, port in seeds], **cluster_options
         )
         self._lock = threading.Lock()
+        self.epoch = 0  # counts the looks at the slots: a connection from before reconnects
         self._stale = False
         self._refreshed_at = time.monotonic()
         self._bound: list[redis.Redis] = []
+
+    def shard_count(self, namespace: str, wanted: int | None = None) -> int:
+        """How many shards the namespace's queues are split into: its setting, written by
+        the first component to connect (`wanted`, else one per primary). A namespace keeps
+        its count: jobs are placed by it."""
+        key = shards_key(namespace)
+        self.redis.set(key, wanted or len(self.primaries()), nx=True)
+        count = int(self.redis.get(key))
+        if wanted and wanted != count:
+            raise ValueError(f"namespace {namespace!r} is split into {count} shards, not {wanted}")
+        return count
 
     def primaries(self) -> list[ClusterNode]:
         return self.redis.get_primaries()
@@ -137,17 +154,11 @@ class Cluster:
                 try:
                     self.redis.nodes_manager.initialize()
                     self._stale = False
+                    self.epoch += 1
                 except redis.RedisError as exc:
                     log.warning("redis cluster topology not refreshed: %s", exc)
         node = self.redis.nodes_manager.get_node_from_slot(slot)
         return node.host, int(node.port)
-
-    def changed(self) -> None:
-        """A connection failed or the cluster refused (MOVED, CLUSTERDOWN, READONLY): look
-        at the slots again before the next connection, and drop the idle ones."""
-        self.failed()
-        for conn in self._bound:
-            conn.connection_pool.disconnect(inuse_connections=False)
 
     def bound(self, key: str, **options: Any) -> redis.Redis:
         """A client for the primary of `key`'s slot; `options` (pool and connection) win
@@ -155,17 +166,17 @@ class Cluster:
         slot = self.redis.keyslot(key)
         kwargs = {**self.options, **options}
         secure = kwargs.pop("connection_class", None) is redis.SSLConnection
-        blocking = kwargs.pop("blocking", False)
+        pool_class = kwargs.pop("connection_pool_class", redis.ConnectionPool)
         kwargs["connection_class"] = _SecureShardConnection if secure else _ShardConnection
         kwargs["cluster"], kwargs["slot"] = self, slot
-        kwargs.setdefault("host", "unresolved")
-        pool_class = redis.BlockingConnectionPool if blocking else redis.ConnectionPool
         conn = redis.Redis.from_pool(pool_class(**kwargs))
         self._bound.append(conn)
         return conn
 
     def failed(self) -> None:
-        """A connection to a primary failed: look at the slots again before the next."""
+        """A connection failed or the cluster refused (MOVED, CLUSTERDOWN, READONLY): look
+        at the slots again before the next connection; the connections made before that
+        look connect again before their next command."""
         self._stale = True
 
     def close(self) -> None:
@@ -175,23 +186,39 @@ class Cluster:
 
 
 # Options of a pool, not of RedisCluster's own connections.
-_POOL_ONLY = frozenset({"max_connections", "timeout", "connection_class", "blocking"})
+_POOL_ONLY = frozenset({"max_connections", "timeout", "connection_class", "connection_pool_class"})
 
 
 class _Located:
     """A connection that asks where to connect each time it connects (a shard's primary
-    may have moved), and reports a failed connect as a change of the cluster."""
+    may have moved), reports a failure or a refusal that says the cluster changed, and
+    connects again before its next command once the slots were looked at since."""
 
     def __init__(self, *, cluster: Cluster, slot: int, **kwargs: Any) -> None:
-        self._cluster, self._slot = cluster, slot
+        self._cluster, self._slot, self._epoch = cluster, slot, -1
+        kwargs.setdefault("host", "unresolved")
         super().__init__(**kwargs)  # type: ignore[call-arg]
 
     def _connect(self) -> Any:
         self.host, self.port = self._cluster.primary_of(self._slot)
+        self._epoch = self._cluster.epoch
         try:
             return super()._connect()  # type: ignore[misc]
         except OSError:
             self._cluster.failed()
+            raise
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if self._epoch != self._cluster.epoch:
+            self.disconnect()  # type: ignore[attr-defined]
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except (redis.ConnectionError, redis.exceptions.ReadOnlyError, *CLUSTER_CHANGES):
+            self._cluster.failed()
+            self.disconnect()  # type: ignore[attr-defined]  # the next command looks again
             raise
 
 

@@ -173,13 +173,16 @@ class Layout:
         """The shard of a job: its job, reply, owner, cancel and entry keys and queue."""
         return self.shards[self.index(job_id)]
 
-    def of_key(self, key: str | bytes) -> Keys:
-        """The shard a key of it belongs to."""
+    def index_of_key(self, key: str | bytes) -> int:
+        """The shard a key of it belongs to (its tag's first number)."""
         if not self.count:
-            return self.shards[0]
+            return 0
         text = key.decode() if isinstance(key, bytes) else key
-        tag = text[len(self.namespace) + 2 : text.index("}", len(self.namespace))]
-        return self.shards[int(tag.split(".", 1)[0])]
+        start = len(self.namespace) + 2  # past "<namespace>:{"
+        return int(text[start : text.index(".", start)])
+
+    def of_key(self, key: str | bytes) -> Keys:
+        return self.shards[self.index_of_key(key)]
 
 
 def shards_key(namespace: str) -> str:
