@@ -253,7 +253,10 @@ class Intake:
         want = layout.index(job.job_id)  # type: ignore[arg-type]
         if layout.index_of_key(delivery.stream) == want:
             return None
-        message = f"job id {job.job_id!r} belongs in shard {want} (CRC-32 of the id modulo {layout.count})"
+        message = (
+            f"job id {job.job_id!r} belongs in shard {want} "
+            f"(CRC-32 of the id modulo {layout.count})"
+        )
         return Rejection("invalid_request", message, job.job_id, metadata=job.metadata)
 
     def _start(self, candidates: list[tuple[Taken, JobRequest]]) -> None:

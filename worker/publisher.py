@@ -23,9 +23,9 @@ from tokenq.worker.scripts import Item, Scripts, event_arg
 
 if TYPE_CHECKING:
     from tokenq.engine.outputs import RequestDelta
-    from tokenq.worker.shards import ShardedScripts
     from tokenq.worker.driver import EngineDriver
     from tokenq.worker.remote import RemoteEngine
+    from tokenq.worker.shards import ShardedScripts
 
 WAKE = "wake"  # put on the engine's output queue: the publisher has settlements to send
 # While no job in flight has new events, how often the publisher still asks Redis whether

@@ -95,17 +95,20 @@ class Worker:
         # another value there has lost the job and must stop writing to it.
         self.fence = f"{c.consumer}:{uuid.uuid4().hex[:12]}".encode()
         self.log = structlog.get_logger("tokenq.worker")
+        layout = self.scripts.layout
         self.table = InFlightTable(
-            self.scripts.layout, c, self.metrics, self.log, wake=lambda: self.driver.outputs.put(WAKE)
+            layout, c, self.metrics, self.log, wake=lambda: self.driver.outputs.put(WAKE)
         )
         self.intake = Intake(
-            self.redis, self.scripts, c, self.driver, self.table, self.metrics, self.fence, self.log,
+            self.redis, self.scripts, c, self.driver, self.table, self.metrics, self.fence,
+            self.log,
             prompts=self.prompts,
             stopping=lambda: self.stopping,
             heartbeat_soon=lambda: self.publisher.heartbeat_soon(),
         )  # fmt: skip
         self.publisher = Publisher(
-            self.redis, self.scripts, c, self.driver, self.table, self.metrics, self.fence, self.log,
+            self.redis, self.scripts, c, self.driver, self.table, self.metrics, self.fence,
+            self.log,
             register=self.register,
             resync=self.intake.resync,
         )  # fmt: skip
@@ -157,7 +160,8 @@ class Worker:
 
     def _check_redis(self) -> None:
         """Refuse a server older than MIN_REDIS, or a cluster node given as a plain
-        connection (the keys would lack their shard tags); warn about one that evicts keys, which may drop a job or its fence.
+        connection (the keys would lack their shard tags); warn about one that evicts
+        keys, which may drop a job or its fence.
         All from INFO, which a worker's ACL allows (CONFIG would give it the server's
         settings, passwords included); a server that does not answer it (managed,
         fakeredis) is trusted."""
