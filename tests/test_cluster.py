@@ -3,6 +3,8 @@ any node, the key layout by shard, jobs end to end, failover, and the load's spr
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,8 @@ import pytest
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
-from tests.cluster_fixtures import LocalCluster, redis_cluster  # noqa: F401
+from tests.cluster_fixtures import LocalCluster, _replicas_synced, redis_cluster  # noqa: F401
+from tests.waits import wait_for
 from tests.worker_support import (
     CLIENT,
     WorkerThread,
@@ -138,3 +141,50 @@ def test_jobs_across_every_shard_equal_the_engine_and_leave_nothing_pending(
         assert again[0].duplicate  # the retried id found its shard and its job
     _check_jobs(client, jobs, requests, tiny_model)
     client.close()
+
+
+def test_a_primary_killed_under_streaming_jobs_loses_and_repeats_nothing(
+    tiny_model: Path,  # noqa: F811
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    """kill -9 of the primary holding shard 0 while jobs of every shard stream: its
+    replica takes over; every job submitted durably (acknowledged once a replica held
+    it) ends with one terminal event and the engine's tokens, and the client sees each
+    token index once."""
+    client = Client(redis_cluster.url, namespace=cluster_namespace, durable_submit=True, **CLIENT)
+    requests = [{"prompt": f"tale {i}", "params": {"max_tokens": 48, **GREEDY}} for i in range(18)]
+    jobs = client.submit_many(
+        make_request(r["prompt"], job_id=f"job-{i}", **r["params"]) for i, r in enumerate(requests)
+    )
+    seen: dict[str, list[Any]] = {j.id: [] for j in jobs}
+
+    def follow() -> None:
+        for job, event in client.stream_many(jobs, timeout=90):
+            seen[job.id].append(event)
+
+    reader = threading.Thread(target=follow, daemon=True)
+    config = fast_config(cluster_namespace, max_backoff_s=0.5)
+    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    victim = client.cluster.primary_of(key_slot(client.layout.shards[0].prefix.encode()))[1]  # type: ignore[union-attr]
+    try:
+        with WorkerThread(worker):
+            reader.start()
+            wait_for(lambda: sum(len(v) for v in seen.values()) > 40, timeout=60)
+            killed_at = time.monotonic()
+            redis_cluster.kill(victim)
+            wait_for(lambda: victim not in redis_cluster.primaries() and redis_cluster.healthy())
+            recovered = time.monotonic() - killed_at
+            reader.join(timeout=90)
+            assert not reader.is_alive()
+        expected = reference_run(tiny_model, requests)
+        for job, (_, final) in zip(jobs, expected, strict=True):
+            reply = check_reply(seen[job.id])  # one terminal event, each index once
+            assert reply.done.token_ids == final.token_ids, job.id
+        for shard in client._shards:
+            assert pending(shard.redis, shard.keys) == []
+        assert recovered < 20
+    finally:
+        redis_cluster.start(victim)  # back as a replica of the new primary
+        wait_for(lambda: redis_cluster.healthy() and _replicas_synced(redis_cluster), timeout=30)
+        client.close()

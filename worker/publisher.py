@@ -232,6 +232,7 @@ class Publisher:
         self._fresh = False  # all that was collected went out (outputs are collected here)
         self._step_failures = 0 if jobs else self._step_failures
         finished: list[InFlight] = []
+        rerun: list[tuple[bytes, bytes]] = []
         with table.lock:
             del table.settling[: len(settling)]
             for (inf, outbox, status), (outcome, cancelled) in zip(jobs, results, strict=False):
@@ -239,6 +240,10 @@ class Publisher:
                 assert jid is not None
                 if outcome == "lost":
                     self._lose(inf)
+                    continue
+                if outcome == "rerun":  # a failover lost some of its events
+                    self._lose(inf)
+                    rerun.append((inf.delivery.stream, inf.delivery.entry_id))
                     continue
                 inf.next_seq += len(outbox)
                 del inf.outbox[: len(outbox)]
@@ -255,6 +260,9 @@ class Publisher:
                     self.driver.abort(jid)
         for inf in finished:
             self._account(inf)
+        if rerun:  # handed back: the next XAUTOCLAIM runs them again from their streams
+            self.log.warning("reply events lost in a failover: jobs handed back", count=len(rerun))
+            self.scripts.keep(rerun, idle_ms=c.claim_idle_ms)
         for item, (outcome, _) in zip(settling, results[len(jobs) :], strict=True):
             if outcome == "gone":
                 job_log(self.log, item.job_id).info(

@@ -34,7 +34,7 @@ class StartResult:
 class Item:
     """One job's or entry's share of a PUBLISH call."""
 
-    mode: str  # "run", "settle" or "orphan"
+    mode: str  # "run" ("check" on a cluster), "settle" or "orphan"
     stream: bytes  # the queue the entry came from
     entry_id: bytes
     job_id: str | None
@@ -46,7 +46,7 @@ class Item:
     backlog: str | None = None  # the lane's backlog counter, decremented on acknowledgement
 
 
-OUTCOMES = {b"o": "ok", b"l": "lost", b"g": "gone", b"k": "kept"}
+OUTCOMES = {b"o": "ok", b"l": "lost", b"g": "gone", b"k": "kept", b"r": "rerun"}
 TYPE_LETTERS = {TOKEN: b"t", DONE: b"d", ERROR: b"e", RESTART: b"r"}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent import futures
+from dataclasses import replace
 from typing import Any
 
 from tokenq.protocol import LANES, lane_of
@@ -119,6 +120,8 @@ class ShardedScripts:
         dead_maxlen: int,
     ) -> list[tuple[str, bool]]:
         by_shard: dict[int, list[int]] = {}
+        # Each job's events are checked for a gap a failover left (PUBLISH's "check").
+        items = [replace(it, mode="check") if it.mode == "run" else it for it in items]
         for n, item in enumerate(items):
             by_shard.setdefault(self._of(item.stream), []).append(n)
         out: list[tuple[str, bool] | None] = [None] * len(items)
