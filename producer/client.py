@@ -85,8 +85,9 @@ RETRY_CAP = 1.0  # the longest pause, so a server back from a restart is found w
 
 # Worth retrying: the server may come back (refused, reset, timed out, loading its data).
 # Credentials and ACLs refused are ConnectionErrors too, but waiting does not heal them.
+_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
 # On a cluster, also its answers while it changes (a failover): MOVED, CLUSTERDOWN, ...
-_TRANSIENT = (redis.ConnectionError, redis.TimeoutError, *CLUSTER_CHANGES)
+_CLUSTER_TRANSIENT = (*_TRANSIENT, *CLUSTER_CHANGES)
 _PERMANENT = (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)
 
 T = TypeVar("T")
@@ -502,7 +503,10 @@ class _Multiplex:
     order; after a reconnect the reader simply reads on from the positions.
     """
 
-    def __init__(self, config: ClientConfig, where: str) -> None:
+    def __init__(
+        self, config: ClientConfig, where: str, transient: tuple[type[Exception], ...] = _TRANSIENT
+    ) -> None:
+        self.transient = transient
         self.config = config
         self.where = where
         self.by_key: dict[str, list[_Follower]] = {}
@@ -607,7 +611,7 @@ class _Multiplex:
         wake every waiting caller to check its retry budget. Anything else (a command
         refused, a bug): no retry helps, every follower gets the error."""
         self.one_stream_wakes = None
-        if isinstance(error, _PERMANENT) or not isinstance(error, _TRANSIENT):
+        if isinstance(error, _PERMANENT) or not isinstance(error, self.transient):
             self._end_all(error)
             return 0.0
         self.error = error
@@ -683,9 +687,14 @@ class _ThreadReader:
     caller past its timeout: it waits on its queue, or reads only when the read's every
     wait ends first."""
 
-    def __init__(self, conn: redis.Redis, config: ClientConfig) -> None:
+    def __init__(
+        self,
+        conn: redis.Redis,
+        config: ClientConfig,
+        transient: tuple[type[Exception], ...] = _TRANSIENT,
+    ) -> None:
         self.redis = conn
-        self.mux = _Multiplex(config, _where(conn))
+        self.mux = _Multiplex(config, _where(conn), transient)
         self.lock = threading.Lock()  # guards mux and what follows; never held across I/O
         self.thread: threading.Thread | None = None
         self.reading = False  # a caller reads now, on its own thread
@@ -895,11 +904,12 @@ class _TaskReader:
 
 def _by_shard(
     layout: Layout, reqs: list[JobRequest], models: list[str]
-) -> dict[int, list[tuple[JobRequest, str]]]:
-    """The prepared jobs with their models, grouped by the shard each job id falls in."""
-    groups: dict[int, list[tuple[JobRequest, str]]] = {}
-    for r, model in zip(reqs, models, strict=True):
-        groups.setdefault(layout.index(r.job_id), []).append((r, model))  # type: ignore[arg-type]
+) -> dict[int, list[tuple[int, str]]]:
+    """The prepared jobs' positions with their models, grouped by the shard each job id
+    falls in."""
+    groups: dict[int, list[tuple[int, str]]] = {}
+    for n, (r, model) in enumerate(zip(reqs, models, strict=True)):
+        groups.setdefault(layout.index(r.job_id), []).append((n, model))  # type: ignore[arg-type]
     return groups
 
 
@@ -1045,7 +1055,8 @@ class Client:
             for keys in self.layout.shards:
                 bound = self.cluster.bound(keys.prefix)
                 submit = bound.register_script(source("submit"))
-                self._shards.append(_Shard(keys, bound, submit, _ThreadReader(bound, self.config)))
+                reader = _ThreadReader(bound, self.config, _CLUSTER_TRANSIENT)
+                self._shards.append(_Shard(keys, bound, submit, reader))
             self._reader = self._shards[0].reader
         self._routing = _Routing(self.config)
         self._closed = False
@@ -1078,12 +1089,13 @@ class Client:
         if self._routing.needs_registry(reqs, queue_anyway):
             self.models()
         models = self._routing.resolve(reqs, queue_anyway)
-        duplicate: dict[str, bool] = {}
+        duplicate = [False] * len(reqs)
         for index, routed in _by_shard(self.layout, reqs, models).items():
-            group = [r for r, _ in routed]
+            group = [reqs[n] for n, _ in routed]
             answer = self._submit_to(self._shards[index], group, [m for _, m in routed])
-            duplicate.update(zip((r.job_id for r in group), _submitted(answer), strict=True))
-        return [Job(r.job_id, self, duplicate[r.job_id]) for r in reqs]  # type: ignore[index]
+            for (n, _), flag in zip(routed, _submitted(answer), strict=True):
+                duplicate[n] = flag
+        return [Job(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]  # type: ignore[arg-type]
 
     def _submit_to(self, shard: _Shard, reqs: list[JobRequest], models: list[str]) -> Any:
         args = _submit_args(self.config, reqs, models, shard.keys.prefix, len(self._shards))
@@ -1148,7 +1160,9 @@ class Client:
                 return attempt()
             except _PERMANENT:
                 raise
-            except _TRANSIENT as exc:
+            except _CLUSTER_TRANSIENT as exc:
+                if self.cluster is None and not isinstance(exc, _TRANSIENT):
+                    raise  # one server answering so is refusing, not changing
                 time.sleep(budget.pause(exc))
             except redis.exceptions.ReadOnlyError as exc:
                 # A failover left this connection on a replica: new ones may reach the new

@@ -13,7 +13,7 @@ import pytest
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
-from tests.cluster_fixtures import LocalCluster, _replicas_synced, redis_cluster  # noqa: F401
+from tests.cluster_fixtures import redis_cluster  # noqa: F401
 from tests.waits import wait_for
 from tests.worker_support import (
     CLIENT,
@@ -26,6 +26,7 @@ from tests.worker_support import (
     reference_run,
     tiny_model,  # noqa: F401
 )
+from tokenq.bench.local_cluster import LocalCluster
 from tokenq.producer.client import Client, Job, make_request
 from tokenq.protocol import Keys, TokenEvent, decode_event
 from tokenq.protocol.connection import Cluster, cluster_seeds, connect
@@ -186,5 +187,40 @@ def test_a_primary_killed_under_streaming_jobs_loses_and_repeats_nothing(
         assert recovered < 20
     finally:
         redis_cluster.start(victim)  # back as a replica of the new primary
-        wait_for(lambda: redis_cluster.healthy() and _replicas_synced(redis_cluster), timeout=30)
+        redis_cluster.wait_healthy()
         client.close()
+
+
+def _commands(node: Any) -> int:
+    """Commands a node ran since its stats were reset (those inside scripts included),
+    but not the ones this test asks with."""
+    stats = node.info("commandstats")
+    return sum(
+        row["calls"]
+        for name, row in stats.items()
+        if name not in ("cmdstat_info", "cmdstat_config")
+    )
+
+
+def test_a_uniform_workload_spreads_its_commands_over_the_primaries(
+    tiny_model: Path,  # noqa: F811
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    config = fast_config(cluster_namespace)
+    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    nodes = [redis_cluster.node(port) for port in redis_cluster.primaries()]
+    for node in nodes:
+        node.config_resetstat()
+    with WorkerThread(worker):
+        jobs = [
+            client.submit(f"item {i}", job_id=f"spread-{i}", max_tokens=4, **GREEDY)
+            for i in range(240)
+        ]
+        for _ in client.stream_many(jobs, timeout=120):
+            pass
+    counts = [_commands(node) for node in nodes]
+    mean = sum(counts) / len(counts)
+    assert all(abs(c - mean) <= 0.25 * mean for c in counts), counts
+    client.close()

@@ -12,6 +12,7 @@ TARGETS = {
     "fleet": "interactive jobs under a batch backlog, on one worker",
     "kernels": "the kernels against copy bandwidth (GPU) or the torch ops they replace (CPU)",
     "invariance": "greedy output batched against each prompt alone, per dtype",
+    "cluster": "one shard's cost on a local Redis Cluster (sizing); a primary killed (failover)",
 }
 
 

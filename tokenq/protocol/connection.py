@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url
+from redis.exceptions import RedisClusterException
 
 from tokenq.protocol.keys import shards_key
 
@@ -94,8 +95,17 @@ def connect(url: str = DEFAULT_REDIS_URL, **options: Any) -> redis.Redis | Clust
         conn = redis.Redis.from_pool(pool_class.from_url(url, **plain))
         if not is_cluster_node(conn):
             return conn
-        conn.close()
         seeds = url, [_host_port(url)]
+        try:
+            cluster = Cluster(url, seeds[1], options)
+        except RedisClusterException as exc:
+            # A node of no working cluster (no slot served): used as the one server it is,
+            # so that its own refusal reaches the caller as any refused command does.
+            log.info("redis cluster node not usable as a cluster: %s", exc)
+            return conn
+        conn.close()
+        log.info("redis cluster mode: %d primaries", len(cluster.primaries()))
+        return cluster
     plain, nodes = seeds
     cluster = Cluster(plain, nodes, options)
     log.info("redis cluster mode: %d primaries", len(cluster.primaries()))
