@@ -319,7 +319,11 @@ def serve(args: argparse.Namespace) -> int:
     """Run the Celery worker until it is stopped; its exit code."""
     from celery.worker import state as worker_state
 
-    options: dict[str, Any] = {"model": args.model, "require_worker": not args.queue_anyway}
+    options: dict[str, Any] = {
+        "model": args.model,
+        "require_worker": not args.queue_anyway,
+        "durable_submit": getattr(args, "durable_submit", False),
+    }
     if args.max_backlog is not None:
         options["max_backlog"] = args.max_backlog
     client = Client(args.redis_url, namespace=args.namespace, **options)
