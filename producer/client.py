@@ -68,6 +68,7 @@ from tokenq.protocol.connection import (
     CLUSTER_CHANGES,
     DEFAULT_REDIS_URL,
     Cluster,
+    cluster_seeds,
     connect,
     keepalive_for,
     version_tuple,
@@ -1272,6 +1273,8 @@ class AsyncClient:
         **overrides: Any,
     ) -> None:
         self.config = dataclasses.replace(config or ClientConfig(), **overrides)
+        if isinstance(conn, str) and cluster_seeds(conn) is not None:
+            raise ValueError("AsyncClient does not run on a Redis Cluster yet: use Client")
         if isinstance(conn, str):
             options = _own_pool_options(self.config, conn)
             retry = AsyncRetry(NoBackoff(), 0)

@@ -27,11 +27,15 @@ from tests.worker_support import (
     tiny_model,  # noqa: F401
 )
 from tokenq.bench.local_cluster import LocalCluster
-from tokenq.producer.client import Client, Job, make_request
+from tokenq.producer.client import Client, ClientConfig, Job, make_request
+from tokenq.producer.errors import QueueFull
 from tokenq.protocol import Keys, TokenEvent, decode_event
 from tokenq.protocol.connection import Cluster, cluster_seeds, connect
 from tokenq.protocol.keys import Layout, shard_tags
+from tokenq.worker.config import WorkerConfig
 from tokenq.worker.config import connect as worker_connect
+from tokenq.worker.scripts import Scripts
+from tokenq.worker.shards import ShardedScripts
 from tokenq.worker.worker import Worker
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -223,4 +227,82 @@ def test_a_uniform_workload_spreads_its_commands_over_the_primaries(
     counts = [_commands(node) for node in nodes]
     mean = sum(counts) / len(counts)
     assert all(abs(c - mean) <= 0.25 * mean for c in counts), counts
+    client.close()
+
+
+def _ids(client: Client, shard: int, count: int, tag: str) -> list[str]:
+    ids = (f"{tag}-{n}" for n in range(10_000))
+    return [j for j in ids if client.layout.index(j) == shard][:count]
+
+
+def test_interactive_work_of_a_later_shard_is_taken_beside_batch_work_of_an_earlier_one(
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    for jid in _ids(client, 0, 4, "b"):
+        client.submit("batch", job_id=jid, priority=5)
+    (urgent,) = _ids(client, 2, 1, "i")
+    client.submit("now", job_id=urgent, priority=-1)
+    config = WorkerConfig(namespace=cluster_namespace, served_names=("tiny",))
+    cluster = worker_connect(redis_cluster.url, config)
+    assert isinstance(cluster, Cluster)
+    shards = [
+        Scripts(cluster.bound(k.prefix), k, "workers", "w", sharded=True)
+        for k in client.layout.shards
+    ]
+    scripts = ShardedScripts(client.layout, shards)
+    # Two free seats: shard 0 is asked first (turn 0) and hands out batch work, yet the
+    # interactive slots (free seats and batch work the engine would preempt) remain.
+    result = scripts.take(["tiny"], [2, 2, 2], [0, 0, 0], 0, b"fence", 60)
+    taken = [t.fields[b"id"].decode() for t in result.taken]  # type: ignore[index]
+    assert urgent in taken and len(taken) == 3
+    scripts.close()
+    cluster.close()
+    client.close()
+
+
+def test_a_lane_cap_is_split_over_the_shards(
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    config = ClientConfig(namespace=cluster_namespace, max_backlog=6, **CLIENT)
+    client = Client(redis_cluster.url, config)
+    first, second, third = _ids(client, 0, 3, "c")
+    client.submit("a", job_id=first)
+    client.submit("b", job_id=second)
+    with pytest.raises(QueueFull):  # shard 0 holds its share: ceil(6 / 3)
+        client.submit("c", job_id=third)
+    for jid in _ids(client, 1, 2, "d") + _ids(client, 2, 2, "e"):
+        client.submit("x", job_id=jid)  # the other shards still take theirs
+    client.close()
+
+
+def test_a_dead_workers_entries_are_reclaimed_from_every_shard(
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    ids = [j for s in range(3) for j in _ids(client, s, 2, "r")]
+    client.submit_many(make_request("x", job_id=j) for j in ids)
+    config = WorkerConfig(namespace=cluster_namespace, served_names=("tiny",))
+    cluster = worker_connect(redis_cluster.url, config)
+    assert isinstance(cluster, Cluster)
+
+    def scripts_of(consumer: str) -> ShardedScripts:
+        shards = [
+            Scripts(cluster.bound(k.prefix), k, "workers", consumer, sharded=True)
+            for k in client.layout.shards
+        ]
+        return ShardedScripts(client.layout, shards)
+
+    dead, alive = scripts_of("dead"), scripts_of("alive")
+    taken = dead.take(["tiny"], [10, 10, 10], [0, 0, 0], 0, b"dead", 60).taken
+    assert len(taken) == 6
+    reclaimed = alive.reclaim(["tiny"], idle_ms=0, most=100)
+    assert sorted(t.fields[b"id"].decode() for t in reclaimed) == sorted(ids)  # type: ignore[index]
+    assert {client.layout.index_of_key(t.stream) for t in reclaimed} == {0, 1, 2}
+    for scripts in (dead, alive):
+        scripts.close()
+    cluster.close()
     client.close()
