@@ -919,6 +919,11 @@ def _call_on(conn: Any, *command: Any) -> Any:
     return conn.read_response()
 
 
+async def _call_on_async(conn: Any, *command: Any) -> Any:
+    await conn.send_packed_command([hiredis.pack_command(command)])
+    return await conn.read_response()
+
+
 def _fan_in(
     follows: list[tuple[Iterator[tuple[str, Event]], dict[str, Any]]],
 ) -> Iterator[tuple[str, Event, dict[str, Any]]]:
@@ -1317,7 +1322,14 @@ class AsyncClient:
         if self._routing.needs_registry(reqs, queue_anyway):
             await self.models()
         args = _submit_args(self.config, reqs, self._routing.resolve(reqs, queue_anyway))
-        if gate is None:
+        if self.config.durable_submit:
+            script, keys = (self._submit, []) if gate is None else (gate.script, gate.keys)
+            full = args if gate is None else [*gate.args, *args]
+            answer = await self._retrying(lambda: self._durably(script, keys, full, gate))
+            if gate is not None:
+                gate.check(answer[0])
+                answer = answer[1]
+        elif gate is None:
             answer = await self._retrying(lambda: self._submit(args=args))
         else:
             both = await self._retrying(
@@ -1327,6 +1339,35 @@ class AsyncClient:
             answer = both[1]
         duplicate = _submitted(answer)
         return [AsyncJob(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]
+
+    async def _durably(self, script: Any, keys: list[Any], args: list[Any], gate: Any) -> Any:
+        """As `Client._durably`, on one server (with a gate, its script's answer)."""
+        pool = self.redis.connection_pool
+        conn = await pool.get_connection()
+        try:
+            try:
+                answer = await _call_on_async(conn, "EVALSHA", script.sha, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:
+                script.sha = await self.redis.script_load(script.script)
+                answer = await _call_on_async(conn, "EVALSHA", script.sha, len(keys), *keys, *args)
+            submitted = answer if gate is None else (answer[1] if len(answer) > 1 else None)
+            if submitted is None or submitted[0] == b"full":
+                return answer  # nothing queued
+            if not any(flag == 0 for flag in submitted[1]):  # only duplicates: see Client
+                await _call_on_async(conn, "SET", f"{self.keys.prefix}:durable", b"1", "EX", 60)
+            acked = int(await _call_on_async(conn, "WAIT", 1, self.config.durable_wait_ms))
+        except redis.ResponseError:
+            raise
+        except BaseException:
+            await conn.disconnect()
+            raise
+        finally:
+            await pool.release(conn)
+        if acked < 1:
+            raise NotReplicated(
+                f"no replica confirmed the submit within {self.config.durable_wait_ms} ms"
+            )
+        return answer
 
     async def models(self) -> list[ModelInfo]:
         """As `Client.models`."""

@@ -3,6 +3,7 @@ any node, the key layout by shard, jobs end to end, failover, and the load's spr
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -14,6 +15,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from tests.cluster_fixtures import redis_cluster  # noqa: F401
+from tests.faults import RedisServer
 from tests.waits import wait_for
 from tests.worker_support import (
     CLIENT,
@@ -27,8 +29,8 @@ from tests.worker_support import (
     tiny_model,  # noqa: F401
 )
 from tokenq.bench.local_cluster import LocalCluster
-from tokenq.producer.client import Client, ClientConfig, Job, make_request
-from tokenq.producer.errors import QueueFull
+from tokenq.producer.client import AsyncClient, Client, ClientConfig, Job, make_request
+from tokenq.producer.errors import NotReplicated, QueueFull, RedisUnavailable
 from tokenq.protocol import Keys, TokenEvent, decode_event
 from tokenq.protocol.connection import Cluster, cluster_seeds, connect
 from tokenq.protocol.keys import Layout, shard_tags
@@ -306,3 +308,28 @@ def test_a_dead_workers_entries_are_reclaimed_from_every_shard(
         scripts.close()
     cluster.close()
     client.close()
+
+
+def test_a_durable_submit_returns_once_a_replica_holds_the_job(tmp_path: Path) -> None:
+    """One server with a replica (the gateway's AsyncClient; Client does the same on a
+    cluster above): the job is on the replica when the submit returns, a retried id too;
+    with the replica gone, the submit says so instead of returning."""
+    with RedisServer(tmp_path / "p", aof=False) as primary:
+        with RedisServer(tmp_path / "r", aof=False) as replica:
+            replica.client().replicaof("127.0.0.1", primary.port)
+            wait_for(lambda: replica.client().info("replication")["master_link_status"] == "up")
+
+            async def submit() -> None:
+                client = AsyncClient(primary.url, durable_submit=True, retry_for=0.5, **CLIENT)
+                job = await client.submit("hi", job_id="durable-1")
+                assert replica.client().get("tokenq:job:durable-1") == b"queued"
+                again = await client.submit("hi", job_id="durable-1")
+                assert again.duplicate
+                replica.stop(kill=True)
+                with pytest.raises(RedisUnavailable) as lost:
+                    await client.submit("hi", job_id="durable-2")
+                assert isinstance(lost.value.last_error, NotReplicated)
+                assert job.id == "durable-1"
+                await client.aclose()
+
+            asyncio.run(submit())
