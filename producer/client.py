@@ -1070,6 +1070,10 @@ class Client:
     def _shard(self, job_id: str) -> _Shard:
         return self._shards[self.layout.index(job_id)]
 
+    def keys_of(self, job_id: str) -> Keys:
+        """The keys of a job (on a cluster, its shard's; `redis` reaches them)."""
+        return self._shards[self.layout.index(job_id)].keys
+
     def submit(
         self, prompt: str | None = None, *, queue_anyway: bool = False, **kwargs: Any
     ) -> Job:

@@ -254,7 +254,7 @@ class Bridge:
         redelivered long after its bridge died, e.g. after a default visibility timeout."""
         if job.status() not in ("done", "error"):
             return
-        key = self.client.keys.reply(job.id)
+        key = self.client.keys_of(job.id).reply(job.id)
         if not self.client._retrying(lambda: self.client.redis.exists(key)):
             raise JobFailed(
                 job.id, "reply_expired", "the job ended and its reply stream has expired"
