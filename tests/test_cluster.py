@@ -316,11 +316,14 @@ def test_a_durable_submit_returns_once_a_replica_holds_the_job(tmp_path: Path) -
     with the replica gone, the submit says so instead of returning."""
     with RedisServer(tmp_path / "p", aof=False) as primary:
         with RedisServer(tmp_path / "r", aof=False) as replica:
+            primary.client().config_set("repl-diskless-sync-delay", 0)  # no 5 s wait
             replica.client().replicaof("127.0.0.1", primary.port)
             wait_for(lambda: replica.client().info("replication")["master_link_status"] == "up")
 
             async def submit() -> None:
-                client = AsyncClient(primary.url, durable_submit=True, retry_for=0.5, **CLIENT)
+                client = AsyncClient(
+                    primary.url, durable_submit=True, durable_wait_ms=200, retry_for=0.5, **CLIENT
+                )
                 job = await client.submit("hi", job_id="durable-1")
                 assert replica.client().get("tokenq:job:durable-1") == b"queued"
                 again = await client.submit("hi", job_id="durable-1")
