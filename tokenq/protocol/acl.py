@@ -34,6 +34,7 @@ _CLIENT = (
     *_CONNECTION, *_SCRIPTS, *_SUBMIT,
     "xread",  # replies
     "zrangebyscore", "hgetall",  # the registry of live workers
+    "wait",  # a durable submit: until a replica holds it
 )  # fmt: skip
 _FLEET = (  # tokenq/ops/fleet.py: what /metrics, /dashboard and `inspect` read
     "time", "scan", "xlen", "zrange", "hgetall", "hmget", "get", "xinfo|groups", "xrange",
