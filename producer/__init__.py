@@ -12,6 +12,7 @@ from tokenq.producer.client import (
 from tokenq.producer.errors import (
     ClientClosed,
     JobFailed,
+    NotReplicated,
     QueueFull,
     RedisUnavailable,
     UnknownModel,
@@ -40,6 +41,7 @@ __all__ = [
     "JobFailed",
     "JobRequest",
     "ModelInfo",
+    "NotReplicated",
     "QueueFull",
     "RedisUnavailable",
     "RestartEvent",

@@ -38,6 +38,7 @@ from redis.retry import Retry
 from tokenq.producer.errors import (
     ClientClosed,
     JobFailed,
+    NotReplicated,
     QueueFull,
     RedisUnavailable,
     UnknownModel,
@@ -63,7 +64,16 @@ from tokenq.protocol import (
     pack,
     quote,
 )
-from tokenq.protocol.connection import DEFAULT_REDIS_URL, keepalive_for, version_tuple
+from tokenq.protocol.connection import (
+    CLUSTER_CHANGES,
+    DEFAULT_REDIS_URL,
+    Cluster,
+    cluster_seeds,
+    connect,
+    keepalive_for,
+    version_tuple,
+)
+from tokenq.protocol.keys import Layout
 from tokenq.protocol.scripts import source
 
 # Jobs a model's lane may hold (waiting or running) before QueueFull. Interactive work is
@@ -77,6 +87,8 @@ RETRY_CAP = 1.0  # the longest pause, so a server back from a restart is found w
 # Worth retrying: the server may come back (refused, reset, timed out, loading its data).
 # Credentials and ACLs refused are ConnectionErrors too, but waiting does not heal them.
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+# On a cluster, also its answers while it changes (a failover): MOVED, CLUSTERDOWN, ...
+_CLUSTER_TRANSIENT = (*_TRANSIENT, *CLUSTER_CHANGES)
 _PERMANENT = (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)
 
 T = TypeVar("T")
@@ -114,6 +126,12 @@ class ClientConfig:
     max_connections: int = 50  # a command waits for a free connection beyond this
     # Size bounds checked before a job is sent; workers check the same (their own limits).
     limits: Limits = DEFAULT_LIMITS
+    # On a Redis Cluster: the namespace's shard count (None: its setting, else one per
+    # primary), and whether a submit returns only once a replica holds it (WAIT 1), so
+    # that a failover right after cannot lose it (docs/protocol.md, "Redis Cluster").
+    shards: int | None = None
+    durable_submit: bool = False
+    durable_wait_ms: int = 1000  # each WAIT's own timeout; retried within retry_for
 
     def lane_cap(self, lane: str) -> int:
         caps = self.max_backlog
@@ -302,10 +320,18 @@ def _check_room(req: JobRequest, model: str, models: list[ModelInfo]) -> None:
         )
 
 
-def _submit_args(config: ClientConfig, reqs: list[JobRequest], models: list[str]) -> list[Any]:
+def _submit_args(
+    config: ClientConfig,
+    reqs: list[JobRequest],
+    models: list[str],
+    prefix: str | None = None,
+    shards: int = 1,
+) -> list[Any]:
     """SUBMIT's arguments (tokenq/protocol/scripts/submit.lua) for the prepared jobs, each
-    routed to its model."""
-    args: list[Any] = [config.namespace, config.job_ttl, *(config.lane_cap(x) for x in LANES)]
+    routed to its model; on a cluster, for one shard (its key prefix), whose lanes hold a
+    `1/shards` share of each cap."""
+    caps = (-(-config.lane_cap(x) // shards) for x in LANES)
+    args: list[Any] = [prefix or config.namespace, config.job_ttl, *caps]
     for r, model in zip(reqs, models, strict=True):
         r.model = model  # the client's own copy (_prepare)
         args += [r.job_id, r.model, r.priority, r.tenant or NO_TENANT, r.lane]
@@ -501,7 +527,10 @@ class _Multiplex:
     order; after a reconnect the reader simply reads on from the positions.
     """
 
-    def __init__(self, config: ClientConfig, where: str) -> None:
+    def __init__(
+        self, config: ClientConfig, where: str, transient: tuple[type[Exception], ...] = _TRANSIENT
+    ) -> None:
+        self.transient = transient
         self.config = config
         self.where = where
         self.by_key: dict[str, list[_Follower]] = {}
@@ -606,7 +635,7 @@ class _Multiplex:
         wake every waiting caller to check its retry budget. Anything else (a command
         refused, a bug): no retry helps, every follower gets the error."""
         self.one_stream_wakes = None
-        if isinstance(error, _PERMANENT) or not isinstance(error, _TRANSIENT):
+        if isinstance(error, _PERMANENT) or not isinstance(error, self.transient):
             self._end_all(error)
             return 0.0
         self.error = error
@@ -682,9 +711,14 @@ class _ThreadReader:
     caller past its timeout: it waits on its queue, or reads only when the read's every
     wait ends first."""
 
-    def __init__(self, conn: redis.Redis, config: ClientConfig) -> None:
+    def __init__(
+        self,
+        conn: redis.Redis,
+        config: ClientConfig,
+        transient: tuple[type[Exception], ...] = _TRANSIENT,
+    ) -> None:
         self.redis = conn
-        self.mux = _Multiplex(config, _where(conn))
+        self.mux = _Multiplex(config, _where(conn), transient)
         self.lock = threading.Lock()  # guards mux and what follows; never held across I/O
         self.thread: threading.Thread | None = None
         self.reading = False  # a caller reads now, on its own thread
@@ -892,6 +926,66 @@ class _TaskReader:
                 await task
 
 
+def _by_shard(
+    layout: Layout, reqs: list[JobRequest], models: list[str]
+) -> dict[int, list[tuple[int, str]]]:
+    """The prepared jobs' positions with their models, grouped by the shard each job id
+    falls in."""
+    groups: dict[int, list[tuple[int, str]]] = {}
+    for n, (r, model) in enumerate(zip(reqs, models, strict=True)):
+        groups.setdefault(layout.index(r.job_id), []).append((n, model))  # type: ignore[arg-type]
+    return groups
+
+
+def _call_on(conn: Any, *command: Any) -> Any:
+    conn.send_packed_command([hiredis.pack_command(command)])
+    return conn.read_response()
+
+
+async def _call_on_async(conn: Any, *command: Any) -> Any:
+    await conn.send_packed_command([hiredis.pack_command(command)])
+    return await conn.read_response()
+
+
+def _fan_in(
+    follows: list[tuple[Iterator[tuple[str, Event]], dict[str, Any]]],
+) -> Iterator[tuple[str, Event, dict[str, Any]]]:
+    """The events of several shards' followers as they come, each shard's on a thread
+    of its own (one XREAD cannot name keys of several slots); an error of one ends all."""
+    out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def pump(follow: Iterator[tuple[str, Event]], by_key: dict[str, Any]) -> None:
+        try:
+            for key, event in follow:
+                out.put((key, event, by_key))
+                if stop.is_set():
+                    break
+        except Exception as exc:
+            out.put(exc)
+        finally:
+            out.put(None)
+
+    threads = [
+        threading.Thread(target=pump, args=pair, name="tokenq-fan-in", daemon=True)
+        for pair in follows
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        live = len(threads)
+        while live:
+            item = out.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        stop.set()
+
+
 # --- sync ------------------------------------------------------------------------------
 
 
@@ -913,9 +1007,8 @@ class Job:
         repeat; longer raises RedisUnavailable. `timeout` bounds the whole wait: the
         builtin TimeoutError when it runs out, even if Redis stopped answering.
         """
-        for _, event in self.client._reader.follow(
-            {self.client.keys.reply(self.id): after}, timeout
-        ):
+        shard = self.client._shard(self.id)
+        for _, event in shard.reader.follow({shard.keys.reply(self.id): after}, timeout):
             yield event
 
     def result(self, timeout: float | None = None) -> DoneEvent:
@@ -925,15 +1018,28 @@ class Job:
 
     def cancel(self) -> None:
         """Ask the worker to stop this job; the reply ends with finish reason `cancelled`."""
-        key, ttl = self.client.keys.cancel(self.id), self.client.config.job_ttl
-        self.client._retrying(lambda: self.client.redis.set(key, b"1", ex=ttl))
+        shard, ttl = self.client._shard(self.id), self.client.config.job_ttl
+        key = shard.keys.cancel(self.id)
+        self.client._retrying(lambda: shard.redis.set(key, b"1", ex=ttl))
 
     def status(self) -> str:
         """queued, running (tokens are streaming), done, error, or unknown (never
         submitted, or its idempotency window has passed)."""
-        key = self.client.keys.job(self.id)
-        value = self.client._retrying(lambda: self.client.redis.get(key))
+        shard = self.client._shard(self.id)
+        key = shard.keys.job(self.id)
+        value = self.client._retrying(lambda: shard.redis.get(key))
         return value.decode() if value else "unknown"
+
+
+@dataclass
+class _Shard:
+    """Where a share of a client's jobs live: one server, or one shard of a cluster (its
+    keys, a connection to the primary holding them, SUBMIT bound to it, its reader)."""
+
+    keys: Keys
+    redis: Any
+    submit: Any
+    reader: Any
 
 
 class Client:
@@ -941,29 +1047,55 @@ class Client:
 
     Given a URL it builds its own connection pool (see `ClientConfig`); given a
     `redis.Redis` it uses that, with its settings. All the reply streams its callers
-    follow are read by one background thread over one connection.
+    follow are read by one background thread over one connection (on a cluster, one per
+    shard). A URL naming a node of a Redis Cluster, or `redis+cluster://` with seed nodes,
+    spreads the jobs over the namespace's shards (docs/protocol.md, "Redis Cluster").
     """
 
     def __init__(
         self,
-        conn: redis.Redis | str = DEFAULT_REDIS_URL,
+        conn: redis.Redis | Cluster | str = DEFAULT_REDIS_URL,
         config: ClientConfig | None = None,
         **overrides: Any,
     ) -> None:
         self.config = dataclasses.replace(config or ClientConfig(), **overrides)
         if isinstance(conn, str):
             options = _own_pool_options(self.config, conn)
-            pool = redis.BlockingConnectionPool.from_url(
-                conn, retry=Retry(NoBackoff(), 0), **options
+            conn = connect(
+                conn,
+                connection_pool_class=redis.BlockingConnectionPool,
+                retry=Retry(NoBackoff(), 0),
+                **options,
             )
-            conn = redis.Redis.from_pool(pool)
-        self.redis = conn
-        _check_binary(self.redis)
+        self.cluster = conn if isinstance(conn, Cluster) else None
         self.keys = Keys(self.config.namespace)
-        self._reader = _ThreadReader(self.redis, self.config)
-        self._submit = self.redis.register_script(source("submit"))
+        if self.cluster is None:
+            self.redis = conn
+            _check_binary(self.redis)
+            self.layout = Layout(self.config.namespace)
+            self._reader = _ThreadReader(self.redis, self.config)
+            self._submit = self.redis.register_script(source("submit"))
+            self._shards = [_Shard(self.keys, self.redis, self._submit, self._reader)]
+        else:
+            self.redis = self.cluster.redis
+            count = self.cluster.shard_count(self.config.namespace, self.config.shards)
+            self.layout = Layout(self.config.namespace, count)
+            self._shards = []
+            for keys in self.layout.shards:
+                bound = self.cluster.bound(keys.prefix)
+                submit = bound.register_script(source("submit"))
+                reader = _ThreadReader(bound, self.config, _CLUSTER_TRANSIENT)
+                self._shards.append(_Shard(keys, bound, submit, reader))
+            self._reader = self._shards[0].reader
         self._routing = _Routing(self.config)
         self._closed = False
+
+    def _shard(self, job_id: str) -> _Shard:
+        return self._shards[self.layout.index(job_id)]
+
+    def keys_of(self, job_id: str) -> Keys:
+        """The keys of a job (on a cluster, its shard's; `redis` reaches them)."""
+        return self._shards[self.layout.index(job_id)].keys
 
     def submit(
         self, prompt: str | None = None, *, queue_anyway: bool = False, **kwargs: Any
@@ -976,6 +1108,7 @@ class Client:
         self, requests: Iterable[JobRequest], *, queue_anyway: bool = False
     ) -> list[Job]:
         """Submit jobs at once (one script call): all are queued, or QueueFull and none is.
+        On a cluster, one script call per shard the jobs fall in: all or none per shard.
 
         A job id already taken is a duplicate: nothing is added for it, its handle says
         `duplicate` and follows the earlier job. That makes a retry after a lost
@@ -988,12 +1121,59 @@ class Client:
             return []
         if self._routing.needs_registry(reqs, queue_anyway):
             self.models()
-        args = _submit_args(self.config, reqs, self._routing.resolve(reqs, queue_anyway))
-        hooks = _hook_streams(self.keys, reqs)
+        models = self._routing.resolve(reqs, queue_anyway)
+        duplicate = [False] * len(reqs)
+        for index, routed in _by_shard(self.layout, reqs, models).items():
+            group = [reqs[n] for n, _ in routed]
+            answer = self._submit_to(self._shards[index], group, [m for _, m in routed])
+            for (n, _), flag in zip(routed, _submitted(answer), strict=True):
+                duplicate[n] = flag
+        return [Job(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]  # type: ignore[arg-type]
+
+    def _submit_to(self, shard: _Shard, reqs: list[JobRequest], models: list[str]) -> Any:
+        hooks = _hook_streams(shard.keys, reqs)
         if hooks:
             self._retrying(lambda: self.redis.sadd(self.keys.hook_streams, *hooks))
-        duplicate = _submitted(self._retrying(lambda: self._submit(args=args)))
-        return [Job(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]
+        args = _submit_args(self.config, reqs, models, shard.keys.prefix, len(self._shards))
+        if self.config.durable_submit:
+            return self._retrying(lambda: self._durably(shard, args))
+        # On a cluster, a key named lets a node that no longer holds the slot say MOVED.
+        keys = [] if self.cluster is None else [shard.keys.prefix]
+        return self._retrying(lambda: shard.submit(keys=keys, args=args))
+
+    def _durably(self, shard: _Shard, args: list[Any]) -> Any:
+        """SUBMIT, then WAIT on the same connection until a replica holds what it wrote
+        (each WAIT up to durable_wait_ms; the caller retries within retry_for). A submit
+        not confirmed raises NotReplicated: the job may be queued, resubmitting is safe."""
+        keys = [shard.keys.prefix] if self.cluster is not None else []
+        pool = shard.redis.connection_pool
+        conn = pool.get_connection()
+        try:
+            try:
+                answer = _call_on(conn, "EVALSHA", shard.submit.sha, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:
+                shard.submit.sha = shard.redis.script_load(shard.submit.script)
+                answer = _call_on(conn, "EVALSHA", shard.submit.sha, len(keys), *keys, *args)
+            if answer[0] == b"full":
+                return answer
+            if not any(flag == 0 for flag in answer[1]):
+                # Only duplicates: nothing written here, so this connection's offset may
+                # predate their first submit. One write moves it past (replication keeps
+                # order: a replica holding it holds them).
+                _call_on(conn, "SET", f"{shard.keys.prefix}:durable", b"1", "EX", 60)
+            acked = int(_call_on(conn, "WAIT", 1, self.config.durable_wait_ms))
+        except redis.ResponseError:
+            raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        if acked < 1:
+            raise NotReplicated(
+                f"no replica confirmed the submit within {self.config.durable_wait_ms} ms"
+            )
+        return answer
 
     def models(self) -> list[ModelInfo]:
         """The models live workers serve, with their aliases and how many workers."""
@@ -1016,12 +1196,15 @@ class Client:
                 return attempt()
             except _PERMANENT:
                 raise
-            except _TRANSIENT as exc:
+            except _CLUSTER_TRANSIENT as exc:
+                if self.cluster is None and not isinstance(exc, _TRANSIENT):
+                    raise  # one server answering so is refusing, not changing
                 time.sleep(budget.pause(exc))
             except redis.exceptions.ReadOnlyError as exc:
                 # A failover left this connection on a replica: new ones may reach the new
                 # primary (a name that moved with it). The refused call wrote nothing.
-                self.redis.connection_pool.disconnect(inuse_connections=False)
+                if self.cluster is None:
+                    self.redis.connection_pool.disconnect(inuse_connections=False)
                 time.sleep(budget.pause(exc))
 
     def job(self, job_id: str) -> Job:
@@ -1031,15 +1214,31 @@ class Client:
         self, jobs: Iterable[Job], timeout: float | None = None
     ) -> Iterator[tuple[Job, Event]]:
         """Events of many jobs as they arrive (each job's in order), until each has ended."""
-        by_key = {self.keys.reply(j.id): j for j in jobs}
-        for key, event in self._reader.follow(dict.fromkeys(by_key, "0-0"), timeout):
+        by_shard: dict[int, dict[str, Job]] = {}
+        for j in jobs:
+            index = self.layout.index(j.id)
+            by_shard.setdefault(index, {})[self._shards[index].keys.reply(j.id)] = j
+        follows = [
+            (self._shards[index].reader.follow(dict.fromkeys(by_key, "0-0"), timeout), by_key)
+            for index, by_key in by_shard.items()
+        ]
+        if len(follows) == 1:
+            follow, by_key = follows[0]
+            for key, event in follow:
+                yield by_key[key], event
+            return
+        for key, event, by_key in _fan_in(follows):
             yield by_key[key], event
 
     def close(self) -> None:
         """Stop submits; callers still streaming get ClientClosed."""
         self._closed = True
-        self._reader.close()
-        self.redis.close()
+        for shard in self._shards:
+            shard.reader.close()
+        if self.cluster is not None:
+            self.cluster.close()
+        else:
+            self.redis.close()
 
     def __enter__(self) -> Client:
         return self
@@ -1109,6 +1308,8 @@ class AsyncClient:
         **overrides: Any,
     ) -> None:
         self.config = dataclasses.replace(config or ClientConfig(), **overrides)
+        if isinstance(conn, str) and cluster_seeds(conn) is not None:
+            raise ValueError("AsyncClient does not run on a Redis Cluster yet: use Client")
         if isinstance(conn, str):
             options = _own_pool_options(self.config, conn)
             retry = AsyncRetry(NoBackoff(), 0)
@@ -1154,7 +1355,14 @@ class AsyncClient:
         hooks = _hook_streams(self.keys, reqs)
         if hooks:
             await self._retrying(lambda: self.redis.sadd(self.keys.hook_streams, *hooks))
-        if gate is None:
+        if self.config.durable_submit:
+            script, keys = (self._submit, []) if gate is None else (gate.script, gate.keys)
+            full = args if gate is None else [*gate.args, *args]
+            answer = await self._retrying(lambda: self._durably(script, keys, full, gate))
+            if gate is not None:
+                gate.check(answer[0])
+                answer = answer[1]
+        elif gate is None:
             answer = await self._retrying(lambda: self._submit(args=args))
         else:
             both = await self._retrying(
@@ -1164,6 +1372,35 @@ class AsyncClient:
             answer = both[1]
         duplicate = _submitted(answer)
         return [AsyncJob(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]
+
+    async def _durably(self, script: Any, keys: list[Any], args: list[Any], gate: Any) -> Any:
+        """As `Client._durably`, on one server (with a gate, its script's answer)."""
+        pool = self.redis.connection_pool
+        conn = await pool.get_connection()
+        try:
+            try:
+                answer = await _call_on_async(conn, "EVALSHA", script.sha, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:
+                script.sha = await self.redis.script_load(script.script)
+                answer = await _call_on_async(conn, "EVALSHA", script.sha, len(keys), *keys, *args)
+            submitted = answer if gate is None else (answer[1] if len(answer) > 1 else None)
+            if submitted is None or submitted[0] == b"full":
+                return answer  # nothing queued
+            if not any(flag == 0 for flag in submitted[1]):  # only duplicates: see Client
+                await _call_on_async(conn, "SET", f"{self.keys.prefix}:durable", b"1", "EX", 60)
+            acked = int(await _call_on_async(conn, "WAIT", 1, self.config.durable_wait_ms))
+        except redis.ResponseError:
+            raise
+        except BaseException:
+            await conn.disconnect()
+            raise
+        finally:
+            await pool.release(conn)
+        if acked < 1:
+            raise NotReplicated(
+                f"no replica confirmed the submit within {self.config.durable_wait_ms} ms"
+            )
+        return answer
 
     async def models(self) -> list[ModelInfo]:
         """As `Client.models`."""

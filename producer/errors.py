@@ -79,3 +79,9 @@ class RedisUnavailable(redis.ConnectionError):
         self.where = where
         self.waited = waited
         self.last_error = last_error
+
+
+class NotReplicated(redis.TimeoutError):
+    """A durable submit that no replica confirmed (WAIT) in time: the job may be queued on
+    the primary only. Retried within ``retry_for`` like a timeout (resubmitting is safe:
+    the job id is the idempotency key), then raised inside ``RedisUnavailable``."""

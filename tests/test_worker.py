@@ -481,7 +481,7 @@ def test_take_says_which_lanes_it_drained_and_the_doorbell_ring_it_saw(
     first = take(2)
     assert len(first.taken) == 2
     assert first.drained == (True, False, True)  # one default job left; no other lanes
-    assert first.rings == {TEST_MODEL: ring}
+    assert first.rings == {keys.bell(TEST_MODEL): ring}
     second = take(1)
     assert len(second.taken) == 1
     assert second.drained == (True, True, True)  # took the newest entry: drained
@@ -489,7 +489,7 @@ def test_take_says_which_lanes_it_drained_and_the_doorbell_ring_it_saw(
     third = take(1)
     assert len(third.taken) == 1
     assert third.drained == (True, True, False)  # a batch job is left
-    assert third.rings[TEST_MODEL] > ring
+    assert third.rings[keys.bell(TEST_MODEL)] > ring
 
 
 def test_a_job_that_comes_in_gets_its_first_heartbeat_an_interval_later(

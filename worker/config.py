@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import redis
 
 from tokenq.protocol import DEFAULT_LIMITS, DEFAULT_NAMESPACE, GROUP, Limits
-from tokenq.protocol.connection import keepalive_for
+from tokenq.protocol.connection import Cluster, keepalive_for
+from tokenq.protocol.connection import connect as connect_url
 
 
 def default_consumer() -> str:
@@ -92,11 +93,12 @@ class WorkerConfig:
             raise ValueError("block_ms must be at least 1")
 
 
-def connect(redis_url: str, config: WorkerConfig) -> redis.Redis:
-    """The worker's connection, in whichever process its Redis side runs. Every read times
-    out past the longest block, so a silent Redis is waited out with backoff like one that
-    refuses (redis-py before 8 waits forever by default)."""
-    return redis.Redis.from_url(
+def connect(redis_url: str, config: WorkerConfig) -> redis.Redis | Cluster:
+    """The worker's connection, in whichever process its Redis side runs (a `Cluster` for
+    a node of a Redis Cluster). Every read times out past the longest block, so a silent
+    Redis is waited out with backoff like one that refuses (redis-py before 8 waits
+    forever by default)."""
+    return connect_url(
         redis_url,
         socket_connect_timeout=5,
         socket_timeout=5 + config.block_ms / 1000,

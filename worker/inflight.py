@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tokenq.protocol import ERROR, ErrorEvent, Event, JobRequest, Keys, TokenEvent, lane_of
+from tokenq.protocol import ERROR, ErrorEvent, Event, JobRequest, TokenEvent, lane_of
+from tokenq.protocol.keys import Layout
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.entries import Rejection, dead_letter
 from tokenq.worker.hooks import JobHooks, completed_hook
@@ -64,13 +65,13 @@ class InFlightTable:
 
     def __init__(
         self,
-        keys: Keys,
+        layout: Layout,
         config: WorkerConfig,
         metrics: WorkerMetrics,
         log: Any,
         wake: Callable[[], None],
     ) -> None:
-        self.keys = keys
+        self.layout = layout
         self.config = config
         self.metrics = metrics
         self.log = log
@@ -109,8 +110,9 @@ class InFlightTable:
 
     def backlog(self, delivery: Taken) -> str | None:
         """The backlog counter of the lane an entry came from (None: protocol 1's stream)."""
-        queue = self.keys.parse_queue(delivery.stream.decode())
-        return None if queue is None else self.keys.backlog(queue[0], lane_of(queue[1]))
+        keys = self.layout.of_key(delivery.stream)  # the entry's shard
+        queue = keys.parse_queue(delivery.stream.decode())
+        return None if queue is None else keys.backlog(queue[0], lane_of(queue[1]))
 
     def hook_stream(self, delivery: Taken) -> str | None:
         """The webhook event stream of the queue an entry came from (None: protocol 1's)."""
@@ -150,7 +152,7 @@ class InFlightTable:
         elsewhere, whose reply PUBLISH leaves alone). `job`: the entry's job, when it could
         be read (its webhook is told)."""
         jid, eid = rejection.job_id, delivery.entry_id
-        queue = self.keys.parse_queue(delivery.stream.decode())
+        queue = self.layout.of_key(delivery.stream).parse_queue(delivery.stream.decode())
         self.metrics.failed(rejection.code, None if queue is None else lane_of(queue[1]))
         job_log(self.log, jid).warning(
             "job rejected", code=rejection.code, message=rejection.message, entry_id=eid.decode()

@@ -34,6 +34,9 @@ from tokenq.worker.retry import Retrying
 from tokenq.worker.scripts import Scripts, Taken, event_arg
 
 if TYPE_CHECKING:
+    from tokenq.worker.shards import ShardedScripts
+
+if TYPE_CHECKING:
     from tokenq.worker.driver import EngineDriver
     from tokenq.worker.remote import RemoteEngine
 
@@ -52,7 +55,7 @@ class Intake:
     def __init__(
         self,
         conn: redis.Redis,
-        scripts: Scripts,
+        scripts: Scripts | ShardedScripts,
         config: WorkerConfig,
         driver: EngineDriver | RemoteEngine,
         table: InFlightTable,
@@ -63,7 +66,6 @@ class Intake:
         stopping: Callable[[], bool],
         heartbeat_soon: Callable[[], None],
     ) -> None:
-        self.redis = conn
         self.scripts = scripts
         self.keys: Keys = scripts.keys
         self.config = config
@@ -80,7 +82,8 @@ class Intake:
         self._taking = True  # until a pass sees the stop: then it logs that it takes no more
         self._resync = False  # look for entries whose delivery answer was lost
         self._turn = 0  # rotates which tenant a TAKE serves first
-        self._bells = dict.fromkeys(config.served_names, b"0-0")  # last ring seen per model
+        # The last ring seen per doorbell (each served model's, on a cluster in each shard).
+        self._bells = dict.fromkeys(scripts.bell_keys(config.served_names), b"0-0")
         # The lanes the last TAKE drained, and until when that is believed without a ring.
         self._emptied: tuple[bool, ...] = (False, False, False)
         self._emptied_until = 0.0
@@ -153,14 +156,12 @@ class Intake:
         if taken:
             self._take(taken)
         elif block and max(slots) > 0:
-            bells = {self.keys.bell(name): last for name, last in self._bells.items()}
             started = time.monotonic()
-            resp = self.redis.xread(bells, count=1, block=max(1, int(block * 1000)))
+            resp = self.scripts.wait_bells(dict(self._bells), max(1, int(block * 1000)))
             if resp:
                 self._emptied_until = 0.0  # a doorbell rang: take again
-            for key, entries in resp or []:
-                name = key.decode().removeprefix(self.keys.bell(""))
-                self._bells[name] = entries[-1][0]
+            for key, entries in resp:
+                self._bells[key.decode()] = entries[-1][0]
             if not resp:
                 # fakeredis (the demo) answers BLOCK at once: never spin when idle.
                 time.sleep(max(0.0, block - (time.monotonic() - started)))
@@ -219,6 +220,8 @@ class Intake:
                     continue
                 parsed = parse_entry(delivery.fields, delivery.count, c.max_deliveries, c.limits)
                 if isinstance(parsed, JobRequest):
+                    parsed = self._check_shard(delivery, parsed) or parsed
+                if isinstance(parsed, JobRequest):
                     jid = parsed.job_id
                     if jid in jobs or jid in starting:
                         self.table.settle(delivery, jid)  # a second entry
@@ -242,6 +245,20 @@ class Intake:
             )
             self.table.reject(delivery, rejection, release=release)
         self.driver.prepare_texts()
+
+    def _check_shard(self, delivery: Taken, job: JobRequest) -> Rejection | None:
+        """On a cluster a job's keys are in the shard its id names: an entry queued in
+        another shard (a producer that placed it by hand) could not be answered where its
+        client reads."""
+        layout = self.scripts.layout
+        want = layout.index(job.job_id)  # type: ignore[arg-type]
+        if layout.index_of_key(delivery.stream) == want:
+            return None
+        message = (
+            f"job id {job.job_id!r} belongs in shard {want} "
+            f"(CRC-32 of the id modulo {layout.count})"
+        )
+        return Rejection("invalid_request", message, job.job_id, metadata=job.metadata)
 
     def _start(self, candidates: list[tuple[Taken, JobRequest]]) -> None:
         """Take the owner key and read the reply stream (TAKE did for fresh entries, START

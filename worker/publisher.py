@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from tokenq.engine.outputs import RequestDelta
     from tokenq.worker.driver import EngineDriver
     from tokenq.worker.remote import RemoteEngine
+    from tokenq.worker.shards import ShardedScripts
 
 WAKE = "wake"  # put on the engine's output queue: the publisher has settlements to send
 # While no job in flight has new events, how often the publisher still asks Redis whether
@@ -38,7 +39,7 @@ class Publisher:
     def __init__(
         self,
         conn: redis.Redis,
-        scripts: Scripts,
+        scripts: Scripts | ShardedScripts,
         config: WorkerConfig,
         driver: EngineDriver | RemoteEngine,
         table: InFlightTable,
@@ -237,6 +238,7 @@ class Publisher:
         self._fresh = False  # all that was collected went out (outputs are collected here)
         self._step_failures = 0 if jobs else self._step_failures
         finished: list[InFlight] = []
+        rerun: list[tuple[bytes, bytes]] = []
         with table.lock:
             del table.settling[: len(settling)]
             for (inf, outbox, status), item, (outcome, cancelled) in zip(
@@ -246,6 +248,10 @@ class Publisher:
                 assert jid is not None
                 if outcome == "lost":
                     self._lose(inf)
+                    continue
+                if outcome == "rerun":  # a failover lost some of its events
+                    self._lose(inf)
+                    rerun.append((inf.delivery.stream, inf.delivery.entry_id))
                     continue
                 if inf.hooks is not None:
                     inf.hooks.sent(item.hooks)
@@ -264,6 +270,9 @@ class Publisher:
                     self.driver.abort(jid)
         for inf in finished:
             self._account(inf)
+        if rerun:  # handed back: the next XAUTOCLAIM runs them again from their streams
+            self.log.warning("reply events lost in a failover: jobs handed back", count=len(rerun))
+            self.scripts.keep(rerun, idle_ms=c.claim_idle_ms)
         for item, (outcome, _) in zip(settling, results[len(jobs) :], strict=True):
             if outcome == "gone":
                 job_log(self.log, item.job_id).info(

@@ -10,13 +10,16 @@ from typing import Any
 
 import redis
 
+from tokenq.protocol.connection import CLUSTER_CHANGES
+
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 # Redis answering but refusing for a while, waited out as an unreachable server is: full
 # under noeviction (OOM), a replica since a failover (READONLY), writes stopped after a
 # failed save (MISCONF), a long script (BUSY). A script refused at its first write has
 # written nothing, so the work is simply tried again.
 # redis-py raises OOM and READONLY as classes of their own, the others as ResponseError.
-REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+# On a cluster, its answers while it changes (MOVED, CLUSTERDOWN, ...) too.
+REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, *CLUSTER_CHANGES)
 REFUSAL_CODES = ("MISCONF ", "BUSY ")  # (not BUSYGROUP, a bug)
 
 
@@ -70,7 +73,9 @@ class Retrying:
                 self.log.warning("redis unavailable", error=str(exc), retry_in=delay)
                 return False
             self.log.warning("redis refused a command", error=str(exc), retry_in=delay)
-            if isinstance(exc, redis.exceptions.ReadOnlyError):
+            if isinstance(exc, redis.exceptions.ReadOnlyError) and hasattr(
+                self.redis, "connection_pool"
+            ):  # (a cluster's connections find the new primary themselves)
                 # A failover made this server a replica: connect again, maybe to the new
                 # primary (a name that moved with it).
                 self.redis.connection_pool.disconnect(inuse_connections=False)

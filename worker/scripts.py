@@ -19,6 +19,7 @@ import redis
 from redis.commands.core import Script
 
 from tokenq.protocol import DONE, ERROR, RESTART, TOKEN, Event, Keys, pack
+from tokenq.protocol.keys import Layout
 from tokenq.protocol.scripts import source
 
 
@@ -33,7 +34,7 @@ class StartResult:
 class Item:
     """One job's or entry's share of a PUBLISH call."""
 
-    mode: str  # "run", "settle" or "orphan"
+    mode: str  # "run" ("check" on a cluster), "settle" or "orphan"
     stream: bytes  # the queue the entry came from
     entry_id: bytes
     job_id: str | None
@@ -46,7 +47,7 @@ class Item:
     hooks: list[tuple[int, str, bytes]] = field(default_factory=list)  # webhook: seq, stream, data
 
 
-OUTCOMES = {b"o": "ok", b"l": "lost", b"g": "gone", b"k": "kept"}
+OUTCOMES = {b"o": "ok", b"l": "lost", b"g": "gone", b"k": "kept", b"r": "rerun"}
 TYPE_LETTERS = {TOKEN: b"t", DONE: b"d", ERROR: b"e", RESTART: b"r"}
 
 
@@ -72,14 +73,20 @@ class TakeResult:
 
     taken: list[Taken]
     drained: tuple[bool, bool, bool]  # per lane: its queues hold nothing more to deliver
-    rings: dict[str, bytes]  # per model served: its doorbell's last ring, if it has one
+    rings: dict[str, bytes]  # per doorbell (key) of a served model: its last ring, if any
 
 
 class Scripts:
     """The worker's scripts bound to one connection, namespace and consumer."""
 
-    def __init__(self, conn: redis.Redis, keys: Keys, group: str, consumer: str) -> None:
+    def __init__(
+        self, conn: redis.Redis, keys: Keys, group: str, consumer: str, sharded: bool = False
+    ) -> None:
         self.keys = keys
+        self.layout = Layout(keys.namespace)
+        # On a cluster each call names one key of its shard (never touched: the scripts
+        # build their keys from the prefix), so a node that lost the slot answers MOVED.
+        self._declared = [keys.prefix] if sharded else []
         self.group = group
         self.consumer = consumer
         self._redis = conn
@@ -114,26 +121,35 @@ class Scripts:
     ) -> TakeResult:
         """Entries for the free slots of each lane (interactive, default, batch), each with
         its job started as `start` would (unless its id field is not a job id); see TAKE."""
-        args: list[Any] = [self.keys.namespace, self.group, self.consumer]
+        args: list[Any] = [self.keys.prefix, self.group, self.consumer]
         args += [int(time.time() * 1000), *slots, *max_wait_ms, turn, token, owner_ttl_s]
-        rows, drained, rings = self._take(args=[*args, *names])
+        rows, drained, rings = self._take(keys=self._declared, args=[*args, *names])
         taken = [
             Taken(stream, eid, _pairs(fields), started=_started(start) if start else None)
             for stream, eid, fields, start in rows
         ]
         lanes = (drained[0:1] == b"1", drained[1:2] == b"1", drained[2:3] == b"1")
-        return TakeResult(taken, lanes, {n: r for n, r in zip(names, rings, strict=True) if r})
+        bells = self.bell_keys(names)
+        return TakeResult(taken, lanes, {b: r for b, r in zip(bells, rings, strict=True) if r})
+
+    def bell_keys(self, names: Sequence[str]) -> list[str]:
+        """The doorbells of the served models, in `names`' order."""
+        return [self.keys.bell(name) for name in names]
+
+    def wait_bells(self, bells: dict[str, bytes], block_ms: int) -> list[tuple[bytes, Any]]:
+        """Block until a doorbell rings past its id in `bells`, or `block_ms` passes."""
+        return self._redis.xread(bells, count=1, block=block_ms) or []
 
     def reclaim(self, names: Sequence[str], idle_ms: int, most: int) -> list[Taken]:
-        args = [self.keys.namespace, self.group, self.consumer, idle_ms, most, *names]
+        args = [self.keys.prefix, self.group, self.consumer, idle_ms, most, *names]
         return [
             Taken(stream, eid, _pairs(fields) if fields else None, int(count))
-            for stream, eid, fields, count in self._reclaim(args=args)
+            for stream, eid, fields, count in self._reclaim(keys=self._declared, args=args)
         ]
 
     def own(self, names: Sequence[str], replay: bool) -> list[Taken]:
-        args = [self.keys.namespace, self.group, self.consumer, "replay" if replay else "look"]
-        rows = self._own(args=[*args, *names])
+        args = [self.keys.prefix, self.group, self.consumer, "replay" if replay else "look"]
+        rows = self._own(keys=self._declared, args=[*args, *names])
         return [
             Taken(stream, eid, _pairs(fields) if fields else None, int(count))
             for stream, eid, count, fields in rows
@@ -151,7 +167,7 @@ class Scripts:
         """(outcome, cancel requested) per item; see PUBLISH. `hook_ttl_s`: how long a job's
         webhook state lives (its retry time and more)."""
         args: list[Any] = [token, self.consumer, self.group, running_ttl_s, reply_ttl_s]
-        args += [dead_maxlen, self.keys.namespace, hook_ttl_s]
+        args += [dead_maxlen, self.keys.prefix, hook_ttl_s]
         for it in items:
             dead = [x for pair in it.dead.items() for x in pair] if it.dead else []
             head = _head(it.mode, it.job_id, it.stream, it.entry_id, it.backlog)
@@ -197,7 +213,7 @@ class Scripts:
         args: list[Any] = [self.group, self.consumer, idle_ms]
         for stream, eid in entries:
             args += [stream, eid]
-        return set(self._keep(args=args))
+        return set(self._keep(keys=self._declared, args=args))
 
 
 def _evalsha_on(conn: Any, sha: str, keys: list[Any], args: list[Any]) -> Any:

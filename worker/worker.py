@@ -26,7 +26,8 @@ import structlog
 
 from tokenq.engine.prompts import Prompts
 from tokenq.protocol import Keys
-from tokenq.protocol.connection import version_tuple
+from tokenq.protocol.connection import Cluster, version_tuple
+from tokenq.protocol.keys import Layout
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.driver import EngineDriver
 from tokenq.worker.heap import frozen_heap
@@ -35,6 +36,7 @@ from tokenq.worker.intake import Intake
 from tokenq.worker.metrics import WorkerMetrics
 from tokenq.worker.publisher import WAKE, Publisher
 from tokenq.worker.scripts import Scripts
+from tokenq.worker.shards import ShardedScripts
 
 if TYPE_CHECKING:
     from tokenq.engine.llm_engine import LLMEngine
@@ -47,7 +49,8 @@ MIN_REDIS = (6, 2)
 
 
 class UnsupportedRedis(RuntimeError):
-    """The server is older than MIN_REDIS, or a cluster node: the worker does not start."""
+    """The server is older than MIN_REDIS, or a cluster node passed as one server (not
+    through `connect`): the worker does not start."""
 
 
 class Worker:
@@ -57,7 +60,7 @@ class Worker:
     def __init__(
         self,
         engine: LLMEngine | Prompts,
-        conn: redis.Redis,
+        conn: redis.Redis | Cluster,
         config: WorkerConfig | None = None,
         driver: RemoteEngine | None = None,
     ) -> None:
@@ -70,28 +73,42 @@ class Worker:
             self.driver = EngineDriver(engine)
         else:
             self.driver = driver
-        self.redis = conn
         self.config = c = config or WorkerConfig()
         if not c.served_names:
             raise ValueError("a worker serves at least one model name (served_names)")
         self.keys = Keys(c.namespace)
-        self.scripts = Scripts(conn, self.keys, c.group, c.consumer)
+        self.cluster = conn if isinstance(conn, Cluster) else None
+        self.scripts: Scripts | ShardedScripts
+        if self.cluster is None:
+            self.redis = conn
+            self.scripts = Scripts(conn, self.keys, c.group, c.consumer)
+        else:  # every shard of the namespace, each on the primary holding it
+            self.redis = self.cluster.redis
+            layout = Layout(c.namespace, self.cluster.shard_count(c.namespace))
+            shards = [
+                Scripts(self.cluster.bound(k.prefix), k, c.group, c.consumer, sharded=True)
+                for k in layout.shards
+            ]
+            self.scripts = ShardedScripts(layout, shards)
         self.metrics = WorkerMetrics(c.served_names[0], lambda: self.driver.stats)
         # Written into the owner key of each job this process runs: a worker that finds
         # another value there has lost the job and must stop writing to it.
         self.fence = f"{c.consumer}:{uuid.uuid4().hex[:12]}".encode()
         self.log = structlog.get_logger("tokenq.worker")
+        layout = self.scripts.layout
         self.table = InFlightTable(
-            self.keys, c, self.metrics, self.log, wake=lambda: self.driver.outputs.put(WAKE)
+            layout, c, self.metrics, self.log, wake=lambda: self.driver.outputs.put(WAKE)
         )
         self.intake = Intake(
-            conn, self.scripts, c, self.driver, self.table, self.metrics, self.fence, self.log,
+            self.redis, self.scripts, c, self.driver, self.table, self.metrics, self.fence,
+            self.log,
             prompts=self.prompts,
             stopping=lambda: self.stopping,
             heartbeat_soon=lambda: self.publisher.heartbeat_soon(),
         )  # fmt: skip
         self.publisher = Publisher(
-            conn, self.scripts, c, self.driver, self.table, self.metrics, self.fence, self.log,
+            self.redis, self.scripts, c, self.driver, self.table, self.metrics, self.fence,
+            self.log,
             register=self.register,
             resync=self.intake.resync,
         )  # fmt: skip
@@ -128,26 +145,29 @@ class Worker:
             "heartbeat_at": round(now, 3),
             **self.metrics.live(),
         }
-        with self.redis.pipeline(transaction=True) as pipe:
+        # (On a cluster the registry and a worker's hash are in two slots: two calls.)
+        with self.redis.pipeline(transaction=self.cluster is None) as pipe:
             pipe.hset(k.worker(c.consumer), mapping=info)
             pipe.expire(k.worker(c.consumer), max(60, int(3 * c.registry_interval_s)))
             pipe.zadd(k.workers, {c.consumer: int(now * 1000)})
             pipe.execute()
 
     def _deregister(self) -> None:
-        with self.redis.pipeline(transaction=True) as pipe:
+        with self.redis.pipeline(transaction=self.cluster is None) as pipe:
             pipe.zrem(self.keys.workers, self.config.consumer)
             pipe.delete(self.keys.worker(self.config.consumer))
             pipe.execute()
 
     def _check_redis(self) -> None:
-        """Refuse a server older than MIN_REDIS or a cluster node (the scripts name keys of
-        many slots); warn about one that evicts keys, which may drop a job or its fence.
+        """Refuse a server older than MIN_REDIS, or a cluster node given as a plain
+        connection (the keys would lack their shard tags); warn about one that evicts
+        keys, which may drop a job or its fence.
         All from INFO, which a worker's ACL allows (CONFIG would give it the server's
         settings, passwords included); a server that does not answer it (managed,
         fakeredis) is trusted."""
+        node = self.redis if self.cluster is None else self.scripts.shards[0]._redis  # type: ignore[union-attr]
         try:
-            info = self.redis.info()  # the default sections: server and cluster among them
+            info = node.info()  # the default sections: server and cluster among them
         except redis.RedisError:
             info = {}
         version = str(info.get("redis_version", ""))
@@ -156,8 +176,8 @@ class Worker:
         if found and found < MIN_REDIS:
             need = ".".join(map(str, MIN_REDIS))
             message = f"Redis {version} is too old: tokenq needs Redis {need} or newer"
-        elif info.get("cluster_enabled"):
-            message = "Redis Cluster is not supported: use a server not in cluster mode"
+        elif info.get("cluster_enabled") and self.cluster is None:
+            message = "a Redis Cluster node given as one server: connect with tokenq's connect()"
         if message is not None:
             self.log.error("worker not started", error=message)
             raise UnsupportedRedis(message)
@@ -201,6 +221,8 @@ class Worker:
                     thread.join()
                 self._shutdown()
                 self.metrics.close()
+                if isinstance(self.scripts, ShardedScripts):
+                    self.scripts.close()
                 self.log.info("worker stopped")
 
     def _serve(self, one_pass: Callable[[float], None]) -> None:

@@ -584,13 +584,13 @@ class BatchRun:
         ago): nothing left to follow, so they are answered with an error, not waited for."""
         if not jobs:
             return set()
-        keys = self.client.keys
+        keys_of = self.client.keys_of  # on a cluster, each job's shard
 
         def read() -> list[Any]:
             with self.client.redis.pipeline(transaction=False) as pipe:
                 for job in jobs:
-                    pipe.get(keys.job(job.id))
-                    pipe.exists(keys.reply(job.id))
+                    pipe.get(keys_of(job.id).job(job.id))
+                    pipe.exists(keys_of(job.id).reply(job.id))
                 return pipe.execute()
 
         answers = self.client._retrying(read)

@@ -14,6 +14,7 @@ TARGETS = {
     "invariance": "greedy output batched against each prompt alone, per dtype",
     "structured": "W1 with every request JSON-Schema constrained against it unconstrained",
     "webhooks": "the webhook dispatcher against plain HTTP posts, and its added latency",
+    "cluster": "one shard's cost on a local Redis Cluster (sizing); a primary killed (failover)",
 }
 
 

@@ -254,7 +254,7 @@ class Bridge:
         redelivered long after its bridge died, e.g. after a default visibility timeout."""
         if job.status() not in ("done", "error"):
             return
-        key = self.client.keys.reply(job.id)
+        key = self.client.keys_of(job.id).reply(job.id)
         if not self.client._retrying(lambda: self.client.redis.exists(key)):
             raise JobFailed(
                 job.id, "reply_expired", "the job ended and its reply stream has expired"
@@ -319,7 +319,11 @@ def serve(args: argparse.Namespace) -> int:
     """Run the Celery worker until it is stopped; its exit code."""
     from celery.worker import state as worker_state
 
-    options: dict[str, Any] = {"model": args.model, "require_worker": not args.queue_anyway}
+    options: dict[str, Any] = {
+        "model": args.model,
+        "require_worker": not args.queue_anyway,
+        "durable_submit": getattr(args, "durable_submit", False),
+    }
     if args.max_backlog is not None:
         options["max_backlog"] = args.max_backlog
     client = Client(args.redis_url, namespace=args.namespace, **options)

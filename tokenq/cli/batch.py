@@ -16,6 +16,7 @@ from tokenq.cli.options import (
     EXIT_USAGE,
     JOB_MODEL_ENV,
     common_options,
+    durable_option,
     flag_option,
     option,
     refused,
@@ -54,6 +55,7 @@ def add_commands(sub: Any) -> None:
     option(run, "--batch-id", help="the batch's name (default: from the input's bytes)")
     flag_option(run, "--queue-anyway", "queue even if no live worker serves a line's model")
     flag_option(run, "--no-progress", "no progress bar")
+    durable_option(run)
     option(
         run,
         "--retry-for",
@@ -98,7 +100,12 @@ def cmd_batch_run(args: argparse.Namespace) -> int:
         bar.set_postfix(ok=counts.succeeded, failed=counts.failed, tok_s=rate, refresh=False)
         bar.update(counts.answered - bar.n)
 
-    client = Client(args.redis_url, namespace=args.namespace, retry_for=args.retry_for)
+    client = Client(
+        args.redis_url,
+        namespace=args.namespace,
+        retry_for=args.retry_for,
+        durable_submit=args.durable_submit,
+    )
     files = None
     run = None
     interrupted = False

@@ -9,7 +9,13 @@ import sys
 from typing import Any
 
 from tokenq.celery.bridge import DEFAULT_QUEUE, INSTALL_HINT
-from tokenq.cli.options import JOB_MODEL_ENV, common_options, flag_option, option
+from tokenq.cli.options import (
+    JOB_MODEL_ENV,
+    common_options,
+    durable_option,
+    flag_option,
+    option,
+)
 
 
 def add_commands(sub: Any) -> None:
@@ -24,6 +30,7 @@ def add_commands(sub: Any) -> None:
     option(parser, "--max-backlog", type=int, help="QueueFull beyond this, every lane")
     option(parser, "--model", env=JOB_MODEL_ENV, help="the model of tasks that name none")
     flag_option(parser, "--queue-anyway", "queue jobs for models no live worker serves yet")
+    durable_option(parser)
     option(parser, "--max-retries", type=int, default=10, help="retries: QueueFull, Redis down")
     option(parser, "--retry-backoff", type=float, default=1.0, help="first retry's pause (s)")
     option(parser, "--log-level", default="info", help="debug, info, warning")

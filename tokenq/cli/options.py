@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from tokenq.protocol import DEFAULT_NAMESPACE
-from tokenq.protocol.connection import DEFAULT_REDIS_URL, redacted
+from tokenq.protocol.connection import DEFAULT_REDIS_URL, cluster_seeds, redacted
 
 EXIT_JOB_FAILED, EXIT_USAGE, EXIT_QUEUE_FULL, EXIT_TIMEOUT = 1, 2, 3, 4
 EXIT_NO_REDIS = EXIT_USAGE
@@ -76,6 +76,16 @@ def option(
 JOB_MODEL_ENV = "TOKENQ_JOB_MODEL"
 
 
+def durable_option(parser: argparse.ArgumentParser) -> None:
+    """`--durable-submit` of the commands that submit for others (docs/protocol.md)."""
+    flag_option(
+        parser,
+        "--durable-submit",
+        "a submit returns once a replica holds the job (WAIT 1): a failover then loses no "
+        "acknowledged job",
+    )
+
+
 def flag_option(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
     env = env_name(flag)
     default = os.environ.get(env, "").lower() in ("1", "true", "yes", "on")
@@ -87,7 +97,8 @@ def redis_url(text: str) -> str:
     once, not a traceback when the first connection is made (a worker's, after it loaded
     its model)."""
     try:
-        redis.connection.parse_url(text)
+        seeds = cluster_seeds(text)
+        redis.connection.parse_url(text if seeds is None else seeds[0])
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{redacted(text)}: {exc}") from None
     return text
@@ -100,7 +111,8 @@ def common_options(parser: argparse.ArgumentParser) -> None:
         "--redis-url",
         type=redis_url,
         default=DEFAULT_REDIS_URL,
-        help="Redis server: redis://, rediss:// or unix:// (a socket file)",
+        help="Redis server: redis://, rediss:// or unix:// (a socket file); any node of a "
+        "Redis Cluster, or redis+cluster://host:port,host:port/ (seed nodes)",
     )
     option(parser, "--namespace", default=DEFAULT_NAMESPACE, help="prefix of every Redis key")
 

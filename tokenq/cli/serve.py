@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenq.cli.options import EXIT_USAGE, common_options, flag_option, option, parse_size
+from tokenq.cli.options import (
+    EXIT_USAGE,
+    common_options,
+    durable_option,
+    flag_option,
+    option,
+    parse_size,
+)
 
 
 def add_commands(sub: Any) -> None:
@@ -61,6 +68,7 @@ def serve_parser() -> argparse.ArgumentParser:
         help="seconds, in the Retry-After of a 429 (queue full)",
     )
     option(serve, "--max-backlog", type=int, help="429 beyond this many jobs in a model's lane")
+    durable_option(serve)
     option(
         serve,
         "--max-file",
@@ -188,6 +196,7 @@ def serve_main(argv: list[str]) -> int:
         cancel_grace=args.cancel_grace,
         retry_after=args.retry_after,
         max_backlog=args.max_backlog,
+        durable_submit=args.durable_submit,
         api_keys=api_keys(args.api_key),
         api_keys_file=args.api_keys_file,
         key_policy=policy,

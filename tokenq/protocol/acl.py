@@ -37,6 +37,7 @@ _CLIENT = (
     "xread",  # replies
     "zrangebyscore", "hgetall",  # the registry of live workers
     "sadd",  # the webhook event streams, listed for dispatchers
+    "wait",  # a durable submit: until a replica holds it
 )  # fmt: skip
 _FLEET = (  # tokenq/ops/fleet.py: what /metrics, /dashboard and `inspect` read
     "time", "scan", "xlen", "zrange", "hgetall", "hmget", "get", "xinfo|groups", "xrange",

@@ -128,6 +128,8 @@ class GatewayConfig:
     retry_for: float = 5.0  # how long a request rides out an unreachable Redis: then 503
     # Jobs a model's lane may hold before 429 (ClientConfig.max_backlog; None: its default).
     max_backlog: int | None = None
+    # A submit is answered only once a replica holds the job (ClientConfig.durable_submit).
+    durable_submit: bool = False
     # Access (docs/security.md). No key and no key file: open to whoever reaches it.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_keys_file: Path | None = None
@@ -817,6 +819,7 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
             block_ms=config.block_ms,
             max_connections=config.max_connections,
             retry_for=config.retry_for,
+            durable_submit=config.durable_submit,
             **({} if config.max_backlog is None else {"max_backlog": config.max_backlog}),
         )
         app.state.client = client

@@ -7,14 +7,18 @@
 --       namespace, webhook state ttl, then per item: "mode job stream entry backlog first
 --       status release #events #dead #hooks" ("-" for none), the events, the dead letter's
 --       field/value pairs, then per webhook event "seq stream" and its msgpack payload
--- Reply: two characters per item: its outcome (o ok, l lost, g gone, k kept) and whether
---        the job's cancel key is set (0/1)
+-- Reply: two characters per item: its outcome (o ok, l lost, g gone, k kept, r run again)
+--        and whether the job's cancel key is set (0/1)
 -- Modes:
 -- "run": a job this worker runs, fenced by the owner key. Events go to their sequence ids
 --   and only those above the stream's top are written, so a re-sent call adds nothing.
 --   Status "running" marks the job started; "done"/"error" ends it and acknowledges the
 --   entry (XACK, XDEL, and its lane's backlog counter) with the final event. Outcome ok,
 --   or lost when another worker took the job over.
+-- "check": as "run", on a Redis Cluster, where a failover can lose what a primary had not
+--   yet replicated: the stream must hold every event below `first`, else nothing is written
+--   and the outcome is r (run again: the worker hands the entry back, and a re-run
+--   continues from the events the stream still holds).
 -- "settle": an entry that ends without running (rejected, a duplicate, cancelled before
 --   it started), guarded by the entry still being pending for this consumer (else gone:
 --   settled already, reclaimed elsewhere, or its queue dropped with its group). Its event
@@ -144,7 +148,10 @@ while a <= #ARGV do
     holder = redis.call('GET', owner)
     cancelled = redis.call('EXISTS', cancel)
   end
-  if mode == 'run' then
+  local top = mode == 'check' and first > 1 and holder == token and last_seq(reply)
+  if top and top >= 0 and top < first - 1 then
+    outcome = 'r'  -- events this worker wrote are gone (a failover): run again from the rest
+  elseif mode == 'run' or mode == 'check' then
     if holder == token then
       append(reply, first, ev, nev)
       add_hooks(jid, hk, nhooks)

@@ -1,0 +1,338 @@
+"""tokenq on a real local Redis Cluster (three primaries, three replicas): connecting from
+any node, the key layout by shard, jobs end to end, failover, and the load's spread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+
+from tests.cluster_fixtures import redis_cluster  # noqa: F401
+from tests.faults import RedisServer
+from tests.waits import wait_for
+from tests.worker_support import (
+    CLIENT,
+    WorkerThread,
+    check_reply,
+    fast_config,
+    make_engine,
+    pending,
+    queued,
+    reference_run,
+    tiny_model,  # noqa: F401
+)
+from tokenq.bench.local_cluster import LocalCluster
+from tokenq.producer.client import AsyncClient, Client, ClientConfig, Job, make_request
+from tokenq.producer.errors import NotReplicated, QueueFull, RedisUnavailable
+from tokenq.protocol import Keys, TokenEvent, decode_event
+from tokenq.protocol.connection import Cluster, cluster_seeds, connect
+from tokenq.protocol.keys import Layout, shard_tags
+from tokenq.worker.config import WorkerConfig
+from tokenq.worker.config import connect as worker_connect
+from tokenq.worker.scripts import Scripts
+from tokenq.worker.shards import ShardedScripts
+from tokenq.worker.worker import Worker
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture
+def cluster_namespace(redis_cluster: LocalCluster) -> Any:  # noqa: F811
+    """A namespace of its own on the cluster; its keys are deleted afterwards (every
+    primary's), and only those."""
+    namespace = f"tqc-{uuid.uuid4().hex[:10]}"
+    yield namespace
+    for port in redis_cluster.primaries():
+        node = redis_cluster.node(port)
+        for key in node.scan_iter(match=f"{namespace}:*", count=1000):
+            node.delete(key)
+
+
+def _check_jobs(
+    client: Client, jobs: list[Job], requests: list[dict[str, Any]], model: Path
+) -> None:
+    """Each job: one terminal event, every token index once, the engine's own tokens; every
+    shard's queues empty and nothing pending."""
+    expected = reference_run(model, requests)
+    for job, (_, final) in zip(jobs, expected, strict=True):
+        shard = client._shard(job.id)
+        events = [decode_event(i, f) for i, f in shard.redis.xrange(shard.keys.reply(job.id))]
+        reply = check_reply(events)
+        assert reply.done.token_ids == final.token_ids, job.id
+        indices = [
+            i for e in events if isinstance(e, TokenEvent)
+            for i in range(e.index, e.index + len(e.token_ids))
+        ]  # fmt: skip
+        assert len(indices) == len(set(indices)), f"{job.id}: a token index twice"
+    for shard in client._shards:
+        assert queued(shard.redis, shard.keys) == 0
+        assert pending(shard.redis, shard.keys) == []
+
+
+def test_a_plain_url_of_any_node_is_found_to_be_a_cluster(
+    redis_cluster: LocalCluster,  # noqa: F811
+) -> None:
+    for url in (redis_cluster.url, f"redis://127.0.0.1:{redis_cluster.ports[-1]}/0"):
+        conn = connect(url)
+        assert isinstance(conn, Cluster)
+        assert len(conn.primaries()) == 3
+        conn.close()
+
+
+def test_a_cluster_url_lists_seeds_and_forces_cluster_mode(
+    redis_cluster: LocalCluster,  # noqa: F811
+) -> None:
+    dead = f"127.0.0.1:{redis_cluster.ports[0] + 40000 - 65535 % 7}"
+    url = redis_cluster.seeds_url.replace("redis+cluster://", f"redis+cluster://u:pw@{dead},")
+    plain, seeds = cluster_seeds(url)  # type: ignore[misc]
+    assert plain.startswith("redis://u:pw@") and len(seeds) == 7
+    conn = connect(redis_cluster.seeds_url)
+    assert isinstance(conn.redis, RedisCluster)
+    conn.close()
+
+
+def test_shard_tags_spread_over_the_slot_ranges_and_keep_one_slot_per_shard() -> None:
+    for count in (1, 3, 6, 9):
+        tags = shard_tags(count)
+        width = 16384 / count
+        assert [int(key_slot(t.encode()) // width) for t in tags] == list(range(count))
+    layout = Layout("ns", 6)
+    ids = [uuid.uuid4().hex for _ in range(600)]
+    for jid in ids[:50]:
+        keys = layout.of(jid)
+        slots = {
+            key_slot(k.encode())
+            for k in (keys.job(jid), keys.reply(jid), keys.owner(jid), keys.cancel(jid),
+                      keys.entry(jid), keys.queue("m", 0, "-"), keys.queues("m"),
+                      keys.backlog("m", "default"), keys.bell("m"), keys.dead,
+                      f"{keys.prefix}:webhooks")
+        }  # fmt: skip
+        assert len(slots) == 1
+        assert layout.of_key(keys.reply(jid)) == keys
+    counts = [sum(layout.index(j) == i for j in ids) for i in range(6)]
+    assert min(counts) > 60  # 100 each on average
+
+
+def test_one_server_keeps_its_key_names() -> None:
+    layout = Layout("tokenq")
+    assert layout.of("abc") == Keys("tokenq")
+    assert Keys("tokenq").queue("m", 0, "-") == "tokenq:jobs:m:0:-"
+    assert Keys("tokenq").reply("abc") == "tokenq:reply:abc"
+
+
+def test_jobs_across_every_shard_equal_the_engine_and_leave_nothing_pending(
+    tiny_model: Path,  # noqa: F811
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    assert client.layout.count == 3  # one shard per primary, the namespace's setting now
+    requests = [{"prompt": f"story {i}", "params": {"max_tokens": 12, **GREEDY}} for i in range(9)]
+    jobs = client.submit_many(
+        make_request(r["prompt"], job_id=f"job-{i}", **r["params"]) for i, r in enumerate(requests)
+    )
+    assert {client.layout.index(j.id) for j in jobs} == {0, 1, 2}
+    config = fast_config(cluster_namespace)
+    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    with WorkerThread(worker):
+        ended = [e for _, e in client.stream_many(jobs, timeout=60) if e.type == "done"]
+        assert len(ended) == len(jobs)
+        again = client.submit_many([make_request("story 0", job_id=jobs[0].id)])
+        assert again[0].duplicate  # the retried id found its shard and its job
+    _check_jobs(client, jobs, requests, tiny_model)
+    client.close()
+
+
+def test_a_primary_killed_under_streaming_jobs_loses_and_repeats_nothing(
+    tiny_model: Path,  # noqa: F811
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    """kill -9 of the primary holding shard 0 while jobs of every shard stream: its
+    replica takes over; every job submitted durably (acknowledged once a replica held
+    it) ends with one terminal event and the engine's tokens, and the client sees each
+    token index once."""
+    client = Client(redis_cluster.url, namespace=cluster_namespace, durable_submit=True, **CLIENT)
+    requests = [{"prompt": f"tale {i}", "params": {"max_tokens": 48, **GREEDY}} for i in range(18)]
+    jobs = client.submit_many(
+        make_request(r["prompt"], job_id=f"job-{i}", **r["params"]) for i, r in enumerate(requests)
+    )
+    seen: dict[str, list[Any]] = {j.id: [] for j in jobs}
+
+    def follow() -> None:
+        for job, event in client.stream_many(jobs, timeout=90):
+            seen[job.id].append(event)
+
+    reader = threading.Thread(target=follow, daemon=True)
+    config = fast_config(cluster_namespace, max_backoff_s=0.5)
+    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    victim = client.cluster.primary_of(key_slot(client.layout.shards[0].prefix.encode()))[1]  # type: ignore[union-attr]
+    try:
+        with WorkerThread(worker):
+            reader.start()
+            wait_for(lambda: sum(len(v) for v in seen.values()) > 40, timeout=60)
+            killed_at = time.monotonic()
+            redis_cluster.kill(victim)
+            wait_for(lambda: victim not in redis_cluster.primaries() and redis_cluster.healthy())
+            recovered = time.monotonic() - killed_at
+            reader.join(timeout=90)
+            assert not reader.is_alive()
+        expected = reference_run(tiny_model, requests)
+        for job, (_, final) in zip(jobs, expected, strict=True):
+            reply = check_reply(seen[job.id])  # one terminal event, each index once
+            assert reply.done.token_ids == final.token_ids, job.id
+        for shard in client._shards:
+            assert pending(shard.redis, shard.keys) == []
+        assert recovered < 20
+    finally:
+        redis_cluster.start(victim)  # back as a replica of the new primary
+        redis_cluster.wait_healthy()
+        client.close()
+
+
+def _commands(node: Any) -> int:
+    """Commands a node ran since its stats were reset (those inside scripts included),
+    but not the ones this test asks with."""
+    stats = node.info("commandstats")
+    return sum(
+        row["calls"]
+        for name, row in stats.items()
+        if name not in ("cmdstat_info", "cmdstat_config")
+    )
+
+
+def test_a_uniform_workload_spreads_its_commands_over_the_primaries(
+    tiny_model: Path,  # noqa: F811
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    config = fast_config(cluster_namespace)
+    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    nodes = [redis_cluster.node(port) for port in redis_cluster.primaries()]
+    for node in nodes:
+        node.config_resetstat()
+    with WorkerThread(worker):
+        jobs = [
+            client.submit(f"item {i}", job_id=f"spread-{i}", max_tokens=4, **GREEDY)
+            for i in range(240)
+        ]
+        for _ in client.stream_many(jobs, timeout=120):
+            pass
+    counts = [_commands(node) for node in nodes]
+    mean = sum(counts) / len(counts)
+    assert all(abs(c - mean) <= 0.25 * mean for c in counts), counts
+    client.close()
+
+
+def _ids(client: Client, shard: int, count: int, tag: str) -> list[str]:
+    ids = (f"{tag}-{n}" for n in range(10_000))
+    return [j for j in ids if client.layout.index(j) == shard][:count]
+
+
+def test_interactive_work_of_a_later_shard_is_taken_beside_batch_work_of_an_earlier_one(
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    for jid in _ids(client, 0, 4, "b"):
+        client.submit("batch", job_id=jid, priority=5)
+    (urgent,) = _ids(client, 2, 1, "i")
+    client.submit("now", job_id=urgent, priority=-1)
+    config = WorkerConfig(namespace=cluster_namespace, served_names=("tiny",))
+    cluster = worker_connect(redis_cluster.url, config)
+    assert isinstance(cluster, Cluster)
+    shards = [
+        Scripts(cluster.bound(k.prefix), k, "workers", "w", sharded=True)
+        for k in client.layout.shards
+    ]
+    scripts = ShardedScripts(client.layout, shards)
+    # Two free seats: shard 0 is asked first (turn 0) and hands out batch work, yet the
+    # interactive slots (free seats and batch work the engine would preempt) remain.
+    result = scripts.take(["tiny"], [2, 2, 2], [0, 0, 0], 0, b"fence", 60)
+    taken = [t.fields[b"id"].decode() for t in result.taken]  # type: ignore[index]
+    assert urgent in taken and len(taken) == 3
+    scripts.close()
+    cluster.close()
+    client.close()
+
+
+def test_a_lane_cap_is_split_over_the_shards(
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    config = ClientConfig(namespace=cluster_namespace, max_backlog=6, **CLIENT)
+    client = Client(redis_cluster.url, config)
+    first, second, third = _ids(client, 0, 3, "c")
+    client.submit("a", job_id=first)
+    client.submit("b", job_id=second)
+    with pytest.raises(QueueFull):  # shard 0 holds its share: ceil(6 / 3)
+        client.submit("c", job_id=third)
+    for jid in _ids(client, 1, 2, "d") + _ids(client, 2, 2, "e"):
+        client.submit("x", job_id=jid)  # the other shards still take theirs
+    client.close()
+
+
+def test_a_dead_workers_entries_are_reclaimed_from_every_shard(
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    ids = [j for s in range(3) for j in _ids(client, s, 2, "r")]
+    client.submit_many(make_request("x", job_id=j) for j in ids)
+    config = WorkerConfig(namespace=cluster_namespace, served_names=("tiny",))
+    cluster = worker_connect(redis_cluster.url, config)
+    assert isinstance(cluster, Cluster)
+
+    def scripts_of(consumer: str) -> ShardedScripts:
+        shards = [
+            Scripts(cluster.bound(k.prefix), k, "workers", consumer, sharded=True)
+            for k in client.layout.shards
+        ]
+        return ShardedScripts(client.layout, shards)
+
+    dead, alive = scripts_of("dead"), scripts_of("alive")
+    taken = dead.take(["tiny"], [10, 10, 10], [0, 0, 0], 0, b"dead", 60).taken
+    assert len(taken) == 6
+    reclaimed = alive.reclaim(["tiny"], idle_ms=0, most=100)
+    assert sorted(t.fields[b"id"].decode() for t in reclaimed) == sorted(ids)  # type: ignore[index]
+    assert {client.layout.index_of_key(t.stream) for t in reclaimed} == {0, 1, 2}
+    for scripts in (dead, alive):
+        scripts.close()
+    cluster.close()
+    client.close()
+
+
+def test_a_durable_submit_returns_once_a_replica_holds_the_job(tmp_path: Path) -> None:
+    """One server with a replica (the gateway's AsyncClient; Client does the same on a
+    cluster above): the job is on the replica when the submit returns, a retried id too;
+    with the replica gone, the submit says so instead of returning."""
+    with RedisServer(tmp_path / "p", aof=False) as primary:
+        with RedisServer(tmp_path / "r", aof=False) as replica:
+            primary.client().config_set("repl-diskless-sync-delay", 0)  # no 5 s wait
+            replica.client().replicaof("127.0.0.1", primary.port)
+            wait_for(lambda: replica.client().info("replication")["master_link_status"] == "up")
+
+            async def submit() -> None:
+                client = AsyncClient(
+                    primary.url, durable_submit=True, durable_wait_ms=200, retry_for=0.5, **CLIENT
+                )
+                job = await client.submit("hi", job_id="durable-1")
+                assert replica.client().get("tokenq:job:durable-1") == b"queued"
+                again = await client.submit("hi", job_id="durable-1")
+                assert again.duplicate
+                replica.stop(kill=True)
+                with pytest.raises(RedisUnavailable) as lost:
+                    await client.submit("hi", job_id="durable-2")
+                assert isinstance(lost.value.last_error, NotReplicated)
+                assert job.id == "durable-1"
+                await client.aclose()
+
+            asyncio.run(submit())
