@@ -11,6 +11,7 @@
 
 #define QK 32      /* values per block, weights and activations alike */
 #define MT 4       /* activation rows sharing each unpacked weight block */
+#define NR 2       /* weight rows sharing each loaded activation block */
 #define NCHUNK 16  /* weight rows per thread's work item */
 
 /* gguf.GGMLQuantizationType values */

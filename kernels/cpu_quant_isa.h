@@ -49,56 +49,82 @@ ISA_ATTR static void ISA(quantize_rows)(const float *x, int64_t m, int64_t k, in
     }
 }
 
-/* One weight row against MT activation rows: each weight block is unpacked once and used
- * for all MT rows. Rows past the tile's end repeat its last row and are not written. */
-ISA_ATTR static void ISA(row_tile)(int qtype, const uint8_t *wrow, int64_t nb, const int8_t *xq,
-                                   const float *xd, const float *xs, int64_t k, int64_t rows,
-                                   float *out, int64_t ldo)
+/* NR weight rows against MT activation rows: each weight block is unpacked once for all MT
+ * rows and each activation block loaded once for all NR rows. Rows past a tile's end repeat
+ * its last row and are not written. Inlined with a constant qtype, so each format gets its
+ * own loop. */
+ISA_ATTR static inline __attribute__((always_inline)) void
+ISA(tile)(const int qtype, const uint8_t *w, int64_t row_bytes, int64_t wrows, int64_t nb,
+          const int8_t *xq, const float *xd, const float *xs, int64_t k, int64_t rows, float *out,
+          int64_t ldo)
 {
+    const uint8_t *wr[NR];
     const int8_t *xr[MT];
     const float *dr[MT], *sr[MT];
-    __m256 acc[MT];
-    float corr[MT];
+    __m256 acc[NR][MT];
+    float corr[NR][MT];
+    for (int i = 0; i < NR; i++) {
+        wr[i] = w + (i < wrows ? i : wrows - 1) * row_bytes;
+        for (int r = 0; r < MT; r++) {
+            acc[i][r] = _mm256_setzero_ps();
+            corr[i][r] = 0.0f;
+        }
+    }
     for (int r = 0; r < MT; r++) {
         const int64_t row = r < rows ? r : rows - 1;
         xr[r] = xq + row * k;
         dr[r] = xd + row * nb;
         sr[r] = xs + row * nb;
-        acc[r] = _mm256_setzero_ps();
-        corr[r] = 0.0f;
     }
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    const size_t bytes = block_bytes(qtype);
+    const int64_t bytes = (int64_t)block_bytes(qtype);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wrow + b * bytes;
-        const float dw = fp16_to_f32(blk);
-        __m256i u;
-        float offset; /* weight value of a zero nibble: added times d * sum(q) of x */
-        if (qtype == QTYPE_Q8_0) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            u = _mm256_sign_epi8(w, w); /* |w| as unsigned; x takes w's sign below */
-            for (int r = 0; r < MT; r++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xr[r] + b * QK));
-                const __m256 dot = _mm256_cvtepi32_ps(DOT_U8S8(u, _mm256_sign_epi8(x, w)));
-                acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * dr[r][b]), acc[r]);
+        __m256i u[NR], wsign[NR];
+        float dw[NR], offset[NR]; /* offset: the weight of a zero nibble, times d_x sum(q_x) */
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *blk = wr[i] + b * bytes;
+            dw[i] = fp16_to_f32(blk);
+            if (qtype == QTYPE_Q8_0) {
+                wsign[i] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                u[i] = _mm256_sign_epi8(wsign[i], wsign[i]); /* |w|; x takes w's sign */
+                offset[i] = 0.0f;
+            } else {
+                const __m128i packed =
+                    _mm_loadu_si128((const __m128i *)(blk + (qtype == QTYPE_Q4_1 ? 4 : 2)));
+                /* low nibbles are values 0..15, high nibbles 16..31 */
+                u[i] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4);
+                offset[i] = qtype == QTYPE_Q4_1 ? fp16_to_f32(blk + 2) : -8.0f * dw[i];
             }
-            continue;
         }
-        const uint8_t *qs = blk + (qtype == QTYPE_Q4_1 ? 4 : 2);
-        const __m128i packed = _mm_loadu_si128((const __m128i *)qs);
-        /* low nibbles are values 0..15, high nibbles 16..31 */
-        u = _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4);
-        offset = qtype == QTYPE_Q4_1 ? fp16_to_f32(blk + 2) : -8.0f * dw;
         for (int r = 0; r < MT; r++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xr[r] + b * QK));
-            const __m256 dot = _mm256_cvtepi32_ps(DOT_U8S8(u, x));
-            acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * dr[r][b]), acc[r]);
-            corr[r] += offset * sr[r][b];
+            const float dx = dr[r][b], sx = sr[r][b];
+            for (int i = 0; i < NR; i++) {
+                const __m256i s = qtype == QTYPE_Q8_0 ? _mm256_sign_epi8(x, wsign[i]) : x;
+                const __m256 dot = _mm256_cvtepi32_ps(DOT_U8S8(u[i], s));
+                acc[i][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw[i] * dx), acc[i][r]);
+                if (qtype != QTYPE_Q8_0)
+                    corr[i][r] += offset[i] * sx;
+            }
         }
     }
-    for (int r = 0; r < MT && r < rows; r++)
-        out[r * ldo] = hsum8(acc[r]) + corr[r];
+    for (int i = 0; i < NR && i < wrows; i++)
+        for (int r = 0; r < MT && r < rows; r++)
+            out[r * ldo + i] = hsum8(acc[i][r]) + corr[i][r];
+}
+
+/* The rows [n0, n1) of w against all m rows of x, in tiles, for one format. */
+ISA_ATTR static inline __attribute__((always_inline)) void
+ISA(chunk)(const int qtype, const uint8_t *w, int64_t n0, int64_t n1, int64_t n, int64_t k,
+           const int8_t *xq, const float *xd, const float *xs, int64_t m, float *out)
+{
+    const int64_t nb = k / QK, row_bytes = nb * (int64_t)block_bytes(qtype);
+    for (int64_t m0 = 0; m0 < m; m0 += MT) {
+        const int64_t rows = m - m0 < MT ? m - m0 : MT;
+        for (int64_t j = n0; j < n1; j += NR)
+            ISA(tile)(qtype, w + j * row_bytes, row_bytes, n1 - j < NR ? n1 - j : NR, nb,
+                      xq + m0 * k, xd + m0 * nb, xs + m0 * nb, k, rows, out + m0 * n + j, n);
+    }
 }
 
 /* out[m, n] = x[m, k] . dequant(w)[n, k], x quantized per block of 32 first. Rows of w are
@@ -108,17 +134,15 @@ ISA_ATTR static void ISA(quant_matmul)(int qtype, const uint8_t *w, int64_t n, i
                                        const int8_t *xq, const float *xd, const float *xs,
                                        int64_t m, float *out)
 {
-    const int64_t nb = k / QK;
-    const int64_t row_bytes = nb * (int64_t)block_bytes(qtype);
     const int64_t chunks = (n + NCHUNK - 1) / NCHUNK;
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * NCHUNK, n1 = n0 + NCHUNK < n ? n0 + NCHUNK : n;
-        for (int64_t m0 = 0; m0 < m; m0 += MT) {
-            const int64_t rows = m - m0 < MT ? m - m0 : MT;
-            for (int64_t j = n0; j < n1; j++)
-                ISA(row_tile)(qtype, w + j * row_bytes, nb, xq + m0 * k, xd + m0 * nb,
-                              xs + m0 * nb, k, rows, out + m0 * n + j, n);
-        }
+        if (qtype == QTYPE_Q8_0)
+            ISA(chunk)(QTYPE_Q8_0, w, n0, n1, n, k, xq, xd, xs, m, out);
+        else if (qtype == QTYPE_Q4_1)
+            ISA(chunk)(QTYPE_Q4_1, w, n0, n1, n, k, xq, xd, xs, m, out);
+        else
+            ISA(chunk)(QTYPE_Q4_0, w, n0, n1, n, k, xq, xd, xs, m, out);
     }
 }
