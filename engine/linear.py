@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenq.kernels.cpu_quant import QuantizedWeight, quant_matmul, quantize_int8
+from tokenq.kernels.cpu_quant import BLOCK, QuantizedWeight, quant_matmul, quantize_int8
 
 
 class Linear:
@@ -83,11 +83,13 @@ def build_linear(
     float weights become int8 per output channel."""
     types = {p.qtype if isinstance(p, QuantizedWeight) else None for p in parts}
     if len(types) == 1 and None not in types:
+        if len(parts) == 1:  # shared as it is (a tied embedding is the lm_head)
+            return QuantLinear(parts[0], bias)  # type: ignore[arg-type]
         first = parts[0]
         data = torch.cat([p.data for p in parts])  # type: ignore[union-attr]
         return QuantLinear(QuantizedWeight(data, first.qtype, first.cols), bias)  # type: ignore[union-attr]
     full = torch.cat([dense_weight(p, device, dtype) for p in parts])
-    if int8:
+    if int8 and full.shape[1] % BLOCK == 0:  # other widths stay float: no int8 kernel
         return QuantLinear(quantize_int8(full), bias)
     return Linear(full, bias)
 

@@ -42,10 +42,12 @@ PATHS = {
 }
 
 
-def write_q8_0(src: Path, dst: Path) -> Path:
-    """``src`` with every quantized matrix re-quantized to Q8_0 (from its dequantized values),
-    metadata and float tensors as they are."""
+def requantize(src: Path, dst: Path, qtype: str = "Q8_0") -> Path:
+    """``src`` with every matrix quantized to ``qtype`` (from its dequantized values),
+    metadata and vectors as they are."""
     import gguf
+
+    target = gguf.GGMLQuantizationType[qtype]
 
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(str(dst), arch=None)  # the architecture is among the fields
@@ -57,13 +59,11 @@ def write_q8_0(src: Path, dst: Path) -> Path:
     for tensor in reader.tensors:
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
         values = gguf.quants.dequantize(tensor.data, qtype)
-        if qtype.name in ("F32", "F16", "BF16") or values.ndim < 2:
+        if values.ndim < 2:
             writer.add_tensor(tensor.name, values.astype(np.float32))
             continue
-        data = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
-        writer.add_tensor(
-            tensor.name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
-        )
+        data = gguf.quants.quantize(values.astype(np.float32), target)
+        writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=target)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         workloads = [makers[w.strip().upper()]() for w in args.workloads.split(",")]
         base = {"device": "cpu", "num_threads": args.threads}
         with tempfile.TemporaryDirectory() as tmp:
-            q8 = write_q8_0(model, Path(tmp) / (model.stem.split(".")[0] + ".Q8_0.gguf"))
+            q8 = requantize(model, Path(tmp) / (model.stem.split(".")[0] + ".Q8_0.gguf"))
             engine_rows({"file": model, "Q8_0": q8}, workloads, base)
     if "accuracy" in sections:
         teacher_forced(str(model), PATHS["float32"], PATHS["quantized"], args.tokens)
