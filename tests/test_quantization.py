@@ -136,3 +136,22 @@ def test_a_type_without_a_kernel_is_dequantized_with_a_log_line(
     assert {lin.weight.name for lin in linears(eng)} == {"Q8_0"}  # then int8 per channel
     auto = quantization.choose(None, CPU, q5)
     assert not auto.keep_quantized and "no matrices of a type" in auto.reason
+
+
+def test_kernel_bench_times_each_format_against_dequantize_then_matmul(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``tokenq bench quant --section kernels``: a row per format and shape, both sides'
+    times and their ratio."""
+    from tokenq.bench.quant import main as bench_quant
+
+    bench_quant(["--section", "kernels", "--rows", "2"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0], r[2]) for r in rows] == [
+        (fmt, shape) for fmt in ("Q4_1", "Q4_0", "Q8_0") for shape in ("2x1536x576", "2x576x1536")
+    ]
+    for r in rows:
+        ours, theirs, ratio = float(r[3]), float(r[4]), float(r[5].rstrip("x"))
+        assert (
+            ours > 0 and theirs > 0 and ratio == pytest.approx(theirs / ours, rel=0.01, abs=0.006)
+        )
