@@ -396,6 +396,8 @@ class EngineConfig:
     # compile before the job ends with invalid_params.
     grammar_cache_size: int = 256
     grammar_compile_timeout: float = 10.0
+    # None: a quantized GGUF runs quantized; "none": dequantized; "int8": float weights too
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "grammar_cache_size"):
@@ -403,6 +405,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.dtype not in _DTYPES and self.dtype != "auto":
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}")
+        if self.quantization not in (None, "none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -1,14 +1,17 @@
 """A GGUF file (llama.cpp's format): config, weights, tokenizer and end-of-generation ids, all
 from one parse of the file.
 
-Tensors are dequantized on load (K-quants included): the engine computes in ``dtype``, it
-does not run quantized kernels. Names and layouts become Hugging Face's: llama.cpp's converter
-permutes Llama's Q/K rows for its interleaved rope and stores Gemma's norm weights plus one;
-loading undoes both, and stacks each layer's experts as a folder's are stacked.
+Tensors are dequantized on load (K-quants included) to the engine's ``dtype``, except, with
+``keep_quantized``, the matrices of the linear layers and the embedding in a format the int8
+kernels run (kernels/cpu_quant.py: Q8_0, Q4_0, Q4_1), which stay as the file's blocks.
+Names and layouts become Hugging Face's: llama.cpp's converter permutes Llama's Q/K rows for
+its interleaved rope and stores Gemma's norm weights plus one; loading undoes both, and
+stacks each layer's experts as a folder's are stacked.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import re
@@ -23,8 +26,13 @@ import torch
 from tokenq.engine.checkpoint import Checkpoint, merge_ids
 from tokenq.engine.config import FULL, SLIDING, ModelConfig
 from tokenq.engine.tokenizer import Tokenizer
+from tokenq.kernels.cpu_quant import QTYPES, QuantizedWeight
+
+log = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
+# The tensors that may stay quantized: the matrices of linear layers, and the embedding.
+_KEEPABLE_RE = re.compile(r".*_proj\.weight|lm_head\.weight|model\.embed_tokens\.weight")
 
 
 @dataclass(frozen=True)
@@ -225,8 +233,22 @@ def gguf_eos_token_ids(meta: dict[str, Any]) -> list[int]:
     return merge_ids(declared, markers)
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    """The file's config, weights (dequantized to ``dtype``) and tokenizer."""
+def quantized_types(path: Path) -> dict[str, int]:
+    """The GGML types (by name) of a file's matrices and how many of each are quantized: what
+    decides whether it runs quantized."""
+    import gguf
+
+    counts: dict[str, int] = {}
+    for tensor in read_gguf(path).tensors:
+        qtype = gguf.GGMLQuantizationType(tensor.qtype)
+        if len(tensor.shape) >= 2 and qtype.name not in ("F32", "F16", "BF16", "F64"):
+            counts[qtype.name] = counts.get(qtype.name, 0) + 1
+    return counts
+
+
+def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> Checkpoint:
+    """The file's config, weights and tokenizer: weights dequantized to ``dtype``, but with
+    ``keep_quantized`` the linear layers' and the embedding's Q8_0/Q4_0/Q4_1 blocks kept."""
     import gguf
 
     file = read_gguf(path)
@@ -249,11 +271,19 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     eos_token_ids = gguf_eos_token_ids(meta)
     config = _gguf_config(meta, {t.name for t in file.tensors}, eos_token_ids, rope_factors)
 
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    dequantized: dict[str, int] = {}  # quantized matrices of a type no kernel runs, by type
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for tensor in file.tensors:
         if tensor.name in _GGUF_ROPE_FACTORS:
             continue
+        qname = gguf.GGMLQuantizationType(tensor.qtype).name
+        if keep_quantized and len(tensor.shape) == 2 and not qname.startswith(("F", "BF")):
+            name = _hf_name(tensor.name, arch_name)
+            if tensor.qtype in QTYPES and _KEEPABLE_RE.fullmatch(name):
+                weights[name] = _kept(tensor, name, arch, config.num_heads, config.num_kv_heads)
+                continue
+            dequantized[qname] = dequantized.get(qname, 0) + 1
         array = array_of(tensor)
         if match := _GGUF_EXPERTS_RE.fullmatch(tensor.name):
             layer, part = match.groups()
@@ -277,8 +307,30 @@ def load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
             array = array.copy()
         weights[name] = torch.from_numpy(array).to(dtype)
     weights |= _stacked_experts(experts, dtype)
+    if dequantized:
+        log.info(
+            "%s: matrices dequantized to %s, no int8 kernel for their type: %s",
+            path.name,
+            str(dtype).removeprefix("torch."),
+            ", ".join(f"{n} {t}" for t, n in sorted(dequantized.items())),
+        )
     tokenizer = Tokenizer.from_gguf_metadata(meta, eos_token_ids)
     return Checkpoint(path, config, weights, tokenizer)
+
+
+def _kept(
+    tensor: GGUFTensor, name: str, arch: _Arch, num_heads: int, num_kv_heads: int
+) -> QuantizedWeight:
+    """A matrix as the file's blocks, copied out of the mapping; Llama's Q/K rows put back in
+    HF's order (rows are independent blocks, so the permutation moves bytes only)."""
+    data = tensor.data
+    if arch.permuted and ".self_attn.q_proj." in name:
+        data = _unpermute_rope_rows(data, num_heads)
+    elif arch.permuted and ".self_attn.k_proj." in name:
+        data = _unpermute_rope_rows(data, num_kv_heads)
+    return QuantizedWeight(
+        torch.from_numpy(np.ascontiguousarray(data).copy()), tensor.qtype, tensor.shape[1]
+    )
 
 
 def _stacked_experts(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenq.kernels.cpu_quant import BLOCK, QuantizedWeight, quant_matmul, quantize_int8
+
 
 class Linear:
     """``x @ W.T (+ b)``. On a CPU with oneDNN the weight is packed once into oneDNN's
@@ -51,3 +53,51 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
     except (AttributeError, RuntimeError):  # a torch build without the op, a CPU without bf16
         return None
+
+
+class QuantLinear:
+    """``x @ W.T (+ b)`` with ``W`` kept quantized and the product in int8 per block
+    (kernels/cpu_quant.h); ``x`` comes in and goes out in the engine's dtype."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = None if bias is None else bias.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = quant_matmul(x.float(), self.weight)
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype)
+
+
+def build_linear(
+    parts: list[torch.Tensor | QuantizedWeight],
+    bias: torch.Tensor | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    int8: bool = False,
+) -> Linear | QuantLinear:
+    """One layer from weights stacked by rows (Q/K/V, gate/up). Quantized parts of one type
+    stay as they are; parts of mixed types are dequantized to ``dtype``; with ``int8`` the
+    float weights become int8 per output channel."""
+    types = {p.qtype if isinstance(p, QuantizedWeight) else None for p in parts}
+    if len(types) == 1 and None not in types:
+        if len(parts) == 1:  # shared as it is (a tied embedding is the lm_head)
+            return QuantLinear(parts[0], bias)  # type: ignore[arg-type]
+        first = parts[0]
+        data = torch.cat([p.data for p in parts])  # type: ignore[union-attr]
+        return QuantLinear(QuantizedWeight(data, first.qtype, first.cols), bias)  # type: ignore[union-attr]
+    full = torch.cat([dense_weight(p, device, dtype) for p in parts])
+    if int8 and full.shape[1] % BLOCK == 0:  # other widths stay float: no int8 kernel
+        return QuantLinear(quantize_int8(full), bias)
+    return Linear(full, bias)
+
+
+def dense_weight(
+    weight: torch.Tensor | QuantizedWeight, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """A weight in ``dtype`` on ``device``, dequantized where it is quantized."""
+    if isinstance(weight, QuantizedWeight):
+        weight = weight.dequantize()
+    return weight.to(device=device, dtype=dtype).contiguous()

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tokenq.engine import quantization
 from tokenq.engine.attention import AttentionBackend
 from tokenq.engine.block_manager import BlockManager
 from tokenq.engine.config import EngineConfig
@@ -56,13 +57,18 @@ class LLMEngine:
         logger.info("computing in %s on %s (%s)", dtype_name, self.device, why)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        checkpoint = load_checkpoint(resolve_model(config.model), self.dtype)
+        path = resolve_model(config.model)
+        self.quantization = quantization.choose(config.quantization, self.device, path)
+        logger.info("quantization: %s (%s)", self.quantization.name, self.quantization.reason)
+        checkpoint = load_checkpoint(path, self.dtype, self.quantization.keep_quantized)
         if checkpoint.tokenizer is None:
             raise FileNotFoundError(f"{checkpoint.path} has no tokenizer.json")
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = set(checkpoint.eos_token_ids)
-        self.model_runner = ModelRunner(config, checkpoint, self.device, self.dtype)
+        self.model_runner = ModelRunner(
+            config, checkpoint, self.device, self.dtype, int8=self.quantization.int8
+        )
         del checkpoint  # the model holds what it needs of the weights
         self.max_model_len = self.model_runner.max_model_len
         self.block_manager = BlockManager(

@@ -14,13 +14,16 @@ from tokenq.engine.hf_loader import load_hf_folder
 from tokenq.engine.tokenizer import Tokenizer
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load a `.gguf` file or a folder with `config.json` and `*.safetensors`."""
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+) -> Checkpoint:
+    """Load a `.gguf` file or a folder with `config.json` and `*.safetensors`;
+    ``keep_quantized``: a GGUF's matrices that the int8 kernels run stay quantized."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.is_file() and path.suffix == GGUF_SUFFIX:
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, keep_quantized)
     if path.is_dir():
         return load_hf_folder(path, dtype)
     raise ValueError(f"not a .gguf file or a model folder: {path}")

@@ -17,16 +17,17 @@ import torch.nn.functional as F
 
 from tokenq.engine.attention import AttentionBackend, AttentionMetadata
 from tokenq.engine.config import ModelConfig
-from tokenq.engine.linear import Linear
+from tokenq.engine.linear import Linear, QuantLinear, build_linear, dense_weight
 from tokenq.engine.moe import MoE
 from tokenq.engine.rope import rope_tables
 from tokenq.kernels import cpu_ops, reference
+from tokenq.kernels.cpu_quant import QuantizedWeight
 
 
 @dataclass
 class DenseMLP:
-    gate_up: Linear  # gate rows first
-    down: Linear
+    gate_up: Linear | QuantLinear  # gate rows first
+    down: Linear | QuantLinear
     act_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # act(gate) * up
 
     def __call__(self, y: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
@@ -39,8 +40,8 @@ class Layer:
     some parts present: q/k norms (Qwen3, Gemma 3), norms on the attention's and the MLP's
     outputs (Gemma 3), routed experts in place of the MLP (Qwen3-MoE, Mixtral)."""
 
-    qkv: Linear
-    o: Linear
+    qkv: Linear | QuantLinear
+    o: Linear | QuantLinear
     mlp: DenseMLP | MoE
     input_norm: torch.Tensor
     mlp_norm: torch.Tensor  # before the MLP
@@ -89,13 +90,16 @@ class CausalLM:
     def __init__(
         self,
         cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor | QuantizedWeight],
         *,
         device: torch.device,
         dtype: torch.dtype,
         max_positions: int,
         backend: AttentionBackend,
+        int8: bool = False,
     ) -> None:
+        """``weights`` may hold quantized matrices (kept so, run on the int8 kernels); with
+        ``int8`` the float matrices of the linear layers are quantized to int8 too."""
         self.cfg = cfg
         self.backend = backend
         # The cpu backend is the C kernels' one: attention and the fused ops alike.
@@ -103,7 +107,11 @@ class CausalLM:
         family = cfg.family
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            return dense_weight(weights[name], device, dtype)
+
+        def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear | QuantLinear:
+            parts = [weights[name] for name in names]
+            return build_linear(parts, bias, device=device, dtype=dtype, int8=int8)
 
         def norm(name: str) -> torch.Tensor:
             # Gemma's RMSNorm scales by (1 + w): added once here, in float32, the norm is
@@ -116,14 +124,17 @@ class CausalLM:
         act_mul = (
             self.ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else self.ops.silu_mul
         )
-        self.embed = w("model.embed_tokens.weight")
+        # A quantized embedding stays so: the lookup dequantizes the rows it reads.
+        embed = weights["model.embed_tokens.weight"]
+        self.embed = embed if isinstance(embed, QuantizedWeight) else w("model.embed_tokens.weight")
         # Gemma scales the embeddings by sqrt(hidden), rounded to the model's dtype.
         self.embed_scale = (
             torch.tensor(cfg.hidden_size**0.5).to(dtype=dtype, device=device)
             if family.gemma
             else None
         )
-        self.lm_head = Linear(w("lm_head.weight") if "lm_head.weight" in weights else self.embed)
+        head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+        self.lm_head = linear([head])
         self.norm = norm("model.norm.weight")
         full_rope = rope_tables(
             cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling, max_positions, device, dtype
@@ -141,12 +152,12 @@ class CausalLM:
             window = cfg.layer_window(i)
             cos, sin = local_rope if window else full_rope
             if family.fused:
-                qkv = Linear(w(a + "qkv_proj.weight"))
+                qkv = linear([a + "qkv_proj.weight"])
             else:
                 bias = None
                 if cfg.attention_bias:
                     bias = torch.cat([w(a + f"{x}_proj.bias") for x in "qkv"])
-                qkv = Linear(torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]), bias)
+                qkv = linear([a + f"{x}_proj.weight" for x in "qkv"], bias)
             mlp: DenseMLP | MoE
             if cfg.is_moe_layer(i):
                 mlp = MoE(
@@ -159,16 +170,16 @@ class CausalLM:
                     act_mul=act_mul,
                 )
             else:
-                gate_up = (
-                    w(m + "gate_up_proj.weight")
+                gate_up = linear(
+                    [m + "gate_up_proj.weight"]
                     if family.fused
-                    else torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])
+                    else [m + "gate_proj.weight", m + "up_proj.weight"]
                 )
-                mlp = DenseMLP(Linear(gate_up), Linear(w(m + "down_proj.weight")), act_mul)
+                mlp = DenseMLP(gate_up, linear([m + "down_proj.weight"]), act_mul)
             self.layers.append(
                 Layer(
                     qkv=qkv,
-                    o=Linear(w(a + "o_proj.weight")),
+                    o=linear([a + "o_proj.weight"]),
                     mlp=mlp,
                     input_norm=norm(p + "input_layernorm.weight"),
                     mlp_norm=norm(
@@ -236,7 +247,10 @@ class CausalLM:
         return self.lm_head(y[logits_indices])
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed)
+        if isinstance(self.embed, QuantizedWeight):
+            x = self.embed.rows(input_ids).to(self.norm.dtype)
+        else:
+            x = F.embedding(input_ids, self.embed)
         return x if self.embed_scale is None else x * self.embed_scale
 
     def _begin(

@@ -30,6 +30,8 @@ class ModelRunner:
         checkpoint: Checkpoint,
         device: torch.device,
         dtype: torch.dtype,
+        *,
+        int8: bool = False,
     ) -> None:
         """Size and allocate the KV cache, then build the model from the checkpoint's weights.
 
@@ -67,6 +69,7 @@ class ModelRunner:
             dtype=dtype,
             max_positions=self.max_model_len,
             backend=self.backend,
+            int8=int8,
         )
         self.eos_token_ids = checkpoint.eos_token_ids
         self.frees_blocks = mc.kv_window is not None  # the scheduler frees left-behind blocks

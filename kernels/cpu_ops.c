@@ -142,3 +142,5 @@ static inline bf16_t f32_to_bf16(float f)
     _mm256_castsi256_ps(                                                                        \
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #include "cpu_ops_typed.h"
+
+#include "cpu_quant.h"

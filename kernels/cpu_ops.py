@@ -32,7 +32,10 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.c")
-_HEADER = Path(__file__).with_name("cpu_ops_typed.h")  # included by _SOURCE, once per dtype
+# included by _SOURCE: the typed kernels once per dtype, the quantized products once
+_HEADERS = [
+    Path(__file__).with_name(n) for n in ("cpu_ops_typed.h", "cpu_quant.h", "cpu_quant_isa.h")
+]
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -59,6 +62,14 @@ _SIGNATURES = {
     "rope": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
     "rms_norm_heads": [_ptr, _i64, _i64, _i64, _i64, _ptr, _f32],
     "argmax_rows": [_ptr, _i64, _i64, _i64, _ptr],
+}
+# The quantized products (cpu_quant.h), built only on x86 with AVX2: absent elsewhere.
+_QUANT_SIGNATURES = {
+    "quant_matmul_f32": (
+        [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int],
+        ctypes.c_int,
+    ),
+    "dequant_rows_f32": ([ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr], None),
 }
 # The suffix of each dtype's kernels in the library.
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -89,7 +100,7 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
         return None
     key = hashlib.sha256(
         b"\0".join(
-            [_SOURCE.read_bytes(), _HEADER.read_bytes()]
+            [_SOURCE.read_bytes(), *(h.read_bytes() for h in _HEADERS)]
             + [" ".join(_FLAGS).encode(), _cpu_id().encode()]
         )
     ).hexdigest()[:16]
@@ -110,6 +121,10 @@ def load(build_dir: Path) -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes = argtypes
             fn.restype = None
+    for name, (argtypes, restype) in _QUANT_SIGNATURES.items():
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = restype
     _library = lib
     return lib
 

@@ -30,7 +30,13 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model=DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=512)
+        EngineConfig(
+            model=DEFAULT_MODEL,
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=512,
+            quantization="none",
+        )
     )
 
 
@@ -120,7 +126,13 @@ PROSE = (
 @pytest.fixture(scope="module")
 def bf16_engine() -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model=DEFAULT_MODEL, device="cpu", dtype="bfloat16", num_kv_blocks=64)
+        EngineConfig(
+            model=DEFAULT_MODEL,
+            device="cpu",
+            dtype="bfloat16",
+            num_kv_blocks=64,
+            quantization="none",
+        )
     )
 
 

@@ -44,6 +44,11 @@ ENGINE_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
         "auto (bf16 on CUDA, and on CPUs where bf16 outruns fp32), float32, float16, bfloat16",
     ),
     "num_threads": (int, "torch CPU threads"),
+    "quantization": (
+        str,
+        "none (dequantize), int8 (float weights to int8 per channel); unset: a quantized "
+        "GGUF runs quantized on the CPU",
+    ),
 }
 # WorkerConfig field -> (flag, parser, help)
 WORKER_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {

@@ -1,0 +1,131 @@
+"""Quantized weights and the C kernels that multiply by them (``cpu_quant.h``).
+
+A ``QuantizedWeight`` holds GGUF blocks as the file stores them: per row, blocks of 32
+values, each a float16 scale (and a float16 minimum for Q4_1) and 8- or 4-bit values.
+``quant_matmul`` quantizes the activations per block of 32 and multiplies in int8: with
+AVX-512 VNNI's ``vpdpbusd`` where the CPU has it, AVX2's ``vpmaddubsw`` otherwise (or where
+``TOKENQ_QUANT_ISA=avx2`` forces it, as the tests do). The kernels live in the library that
+``cpu_ops.load`` builds; call that first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tokenq.kernels import cpu_features, cpu_ops
+
+BLOCK = 32
+# gguf.GGMLQuantizationType value -> (name, bytes per block of 32)
+QTYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+Q8_0 = 8
+ISA_ENV = "TOKENQ_QUANT_ISA"  # "avx2" forces the AVX2 path on a VNNI CPU
+VNNI_FLAGS = ("avx512_vnni", "avx512vl", "avx512bw")
+
+
+@dataclass
+class QuantizedWeight:
+    """A ``[rows, cols]`` weight as GGUF blocks: ``data`` is uint8 ``[rows, row_bytes]``."""
+
+    data: torch.Tensor
+    qtype: int
+    cols: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in QTYPES:
+            raise ValueError(f"no quantized kernel for GGML type {self.qtype}")
+        if self.cols % BLOCK or self.data.shape[1] != self.cols // BLOCK * QTYPES[self.qtype][1]:
+            raise ValueError(f"{self.name} rows of {self.cols} values do not match the data")
+
+    @property
+    def name(self) -> str:
+        return QTYPES[self.qtype][0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` dequantized to float32: the embedding lookup."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), self.cols)
+        if ids.numel() and (ids.min() < 0 or ids.max() >= self.data.shape[0]):
+            raise IndexError(f"row ids out of range [0, {self.data.shape[0]})")
+        _fn("dequant_rows_f32")(
+            self.qtype, self.data.data_ptr(), self.cols, ids.data_ptr(), ids.numel(), out.data_ptr()
+        )
+        return out.view(*ids.shape, self.cols)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.data.shape[0]))
+
+
+def available() -> bool:
+    """Whether the loaded C library has the quantized kernels (x86 with AVX2)."""
+    return cpu_ops._library is not None and hasattr(cpu_ops._library, "quant_matmul_f32")
+
+
+def isa(flags: frozenset[str] | None = None) -> str:
+    """The instruction set ``quant_matmul`` uses: ``avx512_vnni`` or ``avx2``."""
+    flags = cpu_features.cpu_flags() if flags is None else flags
+    if os.environ.get(ISA_ENV, "").lower() == "avx2":
+        return "avx2"
+    return "avx512_vnni" if all(f in flags for f in VNNI_FLAGS) else "avx2"
+
+
+def _fn(name: str):
+    if not available():
+        raise RuntimeError("the quantized CPU kernels are not loaded: cpu_ops.load(build_dir)")
+    return getattr(cpu_ops._library, name)
+
+
+def quant_matmul(
+    x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ dequantize(w).T`` for float32 ``x [m, cols]``, in int8 per block of 32."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.cols:
+        raise ValueError(f"x must be float32 [m, {w.cols}], got {x.dtype} {list(x.shape)}")
+    x = x.contiguous()
+    n = w.data.shape[0]
+    if out is None:
+        out = torch.empty(x.shape[0], n)
+    elif out.shape != (x.shape[0], n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 [{x.shape[0]}, {n}]")
+    if x.shape[0]:
+        status = _fn("quant_matmul_f32")(
+            w.qtype,
+            w.data.data_ptr(),
+            n,
+            w.cols,
+            x.data_ptr(),
+            x.shape[0],
+            out.data_ptr(),
+            int(isa() == "avx512_vnni"),
+        )
+        if status:
+            raise MemoryError("no memory for the quantized activations")
+    return out
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """``weight [rows, cols]`` to int8 with one scale per output channel (row), stored as
+    Q8_0 blocks that all carry the row's scale, so the Q8_0 kernel runs it. The scale is
+    rounded to float16 first and the values quantized against the rounded scale."""
+    rows, cols = weight.shape
+    if cols % BLOCK:
+        raise ValueError(f"int8 needs rows of a multiple of {BLOCK} values, got {cols}")
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).to(torch.float16)
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    q = torch.round(w / safe[:, None]).clamp(-127, 127).to(torch.int8)
+    blocks = cols // BLOCK
+    data = torch.empty(rows, blocks, 34, dtype=torch.uint8)
+    data[:, :, :2] = scale.view(torch.uint8).view(rows, 1, 2)
+    data[:, :, 2:] = q.view(torch.uint8).view(rows, blocks, BLOCK)
+    return QuantizedWeight(data.view(rows, blocks * 34), Q8_0, cols)

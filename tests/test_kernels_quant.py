@@ -1,0 +1,124 @@
+"""The int8 kernels on quantized weights against dequantize-then-matmul, on fresh random
+inputs every run (seed printed on failure), on each instruction path this CPU has.
+
+Weights are quantized by the ``gguf`` package (llama.cpp's reference quantizers), so the
+blocks are the ones a real file holds, and dequantized by it for the reference. The
+activations are quantized per block of 32 by the kernel; the exact reference quantizes
+them the same way in torch, so the two differ by float summation order only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tokenq.engine.downloads import build_dir
+from tokenq.kernels import cpu_features, cpu_ops, cpu_quant
+
+gguf = pytest.importorskip("gguf")
+
+cpu_ops.load(build_dir())
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no AVX2 C kernels here")
+
+HAS_VNNI = all(f in cpu_features.cpu_flags() for f in cpu_quant.VNNI_FLAGS)
+ISAS = [
+    "avx2",
+    pytest.param(
+        "avx512_vnni",
+        marks=pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI"),
+    ),
+]
+# (activation rows, weight rows, columns): single decode rows, odd row counts on both
+# sides, a tail of the 4-row activation tile and of the 16-row weight chunk.
+SHAPES = [(1, 17, 32), (3, 33, 96), (5, 16, 64), (13, 47, 576), (64, 40, 160)]
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = time.time_ns() % 2**31
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "avx2":
+        monkeypatch.setenv(cpu_quant.ISA_ENV, "avx2")
+    else:
+        monkeypatch.delenv(cpu_quant.ISA_ENV, raising=False)
+    assert cpu_quant.isa() == request.param
+    return request.param
+
+
+def quantized(gen: torch.Generator, qtype: int, rows: int, cols: int) -> cpu_quant.QuantizedWeight:
+    w = torch.randn(rows, cols, generator=gen).numpy()
+    data = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+    return cpu_quant.QuantizedWeight(torch.from_numpy(np.ascontiguousarray(data)), qtype, cols)
+
+
+def reference_weight(w: cpu_quant.QuantizedWeight) -> torch.Tensor:
+    data = w.data.numpy()
+    return torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType(w.qtype)))
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per block of 32 with scale amax / 127, as llama.cpp's Q8_0."""
+    blocks = x.view(x.shape[0], -1, cpu_quant.BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks / torch.where(d > 0, d, torch.ones_like(d)))
+    return (q * d).view_as(x)
+
+
+@pytest.mark.parametrize("qtype", sorted(cpu_quant.QTYPES), ids=lambda t: cpu_quant.QTYPES[t][0])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_quant_matmul_is_dequantize_then_matmul(
+    gen: torch.Generator, isa: str, qtype: int, shape: tuple[int, int, int]
+) -> None:
+    m, n, k = shape
+    w = quantized(gen, qtype, n, k)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+    out = torch.full((m, n), float("nan"))
+    cpu_quant.quant_matmul(x, w, out)
+    ref_w = reference_weight(w).double()
+    exact = quantize_activations(x).double() @ ref_w.T
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-4 * exact.abs().max())
+    # and the activation rounding costs what one int8 step per value costs
+    full = x.double() @ ref_w.T
+    assert ((out.double() - full).abs().max() / full.abs().max()) < 0.02
+
+
+@pytest.mark.parametrize("qtype", sorted(cpu_quant.QTYPES), ids=lambda t: cpu_quant.QTYPES[t][0])
+def test_dequantized_rows_are_the_gguf_values(gen: torch.Generator, qtype: int) -> None:
+    w = quantized(gen, qtype, 9, 96)
+    ids = torch.tensor([8, 0, 3, 3])
+    assert torch.equal(w.rows(ids), reference_weight(w)[ids])
+    with pytest.raises(IndexError):
+        w.rows(torch.tensor([9]))
+
+
+def test_int8_per_channel_keeps_each_row_within_half_a_step(gen: torch.Generator, isa: str) -> None:
+    weight = torch.randn(37, 64, generator=gen) * torch.rand(37, 1, generator=gen)
+    w = cpu_quant.quantize_int8(weight)
+    back = w.dequantize()
+    step = weight.abs().amax(1, keepdim=True) / 127
+    assert ((back - weight).abs() <= step * 0.5 + step * 1e-3).all()
+    x = torch.randn(3, 64, generator=gen)
+    exact = quantize_activations(x).double() @ back.double().T
+    torch.testing.assert_close(
+        cpu_quant.quant_matmul(x, w).double(), exact, rtol=1e-5, atol=1e-4 * exact.abs().max()
+    )
+
+
+def test_quant_matmul_refuses_mismatched_inputs(gen: torch.Generator) -> None:
+    w = quantized(gen, 8, 4, 64)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_quant.quant_matmul(torch.randn(2, 32), w)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_quant.quant_matmul(torch.randn(2, 64, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_quant.quant_matmul(torch.randn(2, 64), w, torch.empty(2, 5))
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        cpu_quant.QuantizedWeight(w.data, 12, 64)  # Q4_K: dequantized at load instead
