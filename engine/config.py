@@ -396,7 +396,7 @@ class EngineConfig:
     # compile before the job ends with invalid_params.
     grammar_cache_size: int = 256
     grammar_compile_timeout: float = 10.0
-    # None: a quantized GGUF runs quantized; "none": dequantized; "int8": float weights too
+    # None and "none": dequantized; "int8": a GGUF's blocks and float weights on int8 kernels
     quantization: str | None = None
 
     def __post_init__(self) -> None:

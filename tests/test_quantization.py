@@ -29,7 +29,7 @@ from tokenq.kernels import cpu_ops, cpu_quant
 cpu_ops.load(build_dir())
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no AVX2 C kernels here")
 CPU = torch.device("cpu")
-SEQ_LEN, CHUNKS = 256, [128, 64] + [1] * 64
+SEQ_LEN, CHUNKS = 256, [128, 120] + [1] * 8  # prefill rows and a few decode rows
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -48,17 +48,19 @@ def linears(eng: LLMEngine) -> list[Linear | QuantLinear]:
 
 @pytest.fixture(scope="module")
 def quantized() -> LLMEngine:
-    return engine(DEFAULT_MODEL)
+    return engine(DEFAULT_MODEL, quantization="int8")
 
 
-def test_a_quantized_gguf_runs_its_blocks_and_says_why(
+def test_a_quantized_gguf_runs_its_blocks_under_int8_and_says_why(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="tokenq.engine.llm_engine")
-    eng = engine(DEFAULT_MODEL)
-    assert "quantization: gguf blocks (the file's Q4_1/Q8_0 matrices run as they are" in (
+    assert all(isinstance(lin, Linear) for lin in linears(engine(DEFAULT_MODEL)))
+    assert "the file's Q4_1/Q8_0 matrices are dequantized unless --quantization int8" in (
         caplog.text
     )
+    eng = engine(DEFAULT_MODEL, quantization="int8")
+    assert "quantization: int8 (--quantization int8, " in caplog.text
     assert all(isinstance(lin, QuantLinear) for lin in linears(eng))
     # resident: the file's own bytes for every matrix, and the tied lm_head is the embedding
     model = eng.model_runner.model
@@ -84,6 +86,8 @@ def test_quantization_none_dequantizes_and_int8_needs_the_cpu() -> None:
     assert all(
         isinstance(lin, Linear) for lin in linears(engine(DEFAULT_MODEL, quantization="none"))
     )
+    auto = quantization.choose(None, CPU, path)
+    assert (auto.keep_quantized, auto.int8) == (False, False)
 
 
 def readme_tokens(eng: LLMEngine, count: int) -> list[list[int]]:

@@ -36,7 +36,7 @@ from tokenq.kernels import cpu_ops, cpu_quant
 REPO = Path(__file__).resolve().parents[2]
 # (path name, engine options)
 PATHS = {
-    "quantized": {"dtype": "float32"},
+    "quantized": {"dtype": "float32", "quantization": "int8"},
     "float32": {"dtype": "float32", "quantization": "none"},
     "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
 }
@@ -169,17 +169,19 @@ def main(argv: list[str] | None = None) -> None:
         f"int8 kernels: {cpu_quant.isa()}; torch {torch.__version__}",
         flush=True,
     )
-    model = resolve_model(args.model)
+    model = resolve_model(args.model) if sections & {"engine", "accuracy"} else None
     if "kernels" in sections:
         kernels([int(r) for r in args.rows.split(",")])
     if "engine" in sections:
         makers = {"W1": lambda: w1(args.requests or 32), "W2": lambda: w2(args.requests or 64)}
         workloads = [makers[w.strip().upper()]() for w in args.workloads.split(",")]
         base = {"device": "cpu", "num_threads": args.threads}
+        assert model is not None
         with tempfile.TemporaryDirectory() as tmp:
             q8 = requantize(model, Path(tmp) / (model.stem.split(".")[0] + ".Q8_0.gguf"))
             engine_rows({"file": model, "Q8_0": q8}, workloads, base)
     if "accuracy" in sections:
+        assert model is not None
         teacher_forced(str(model), PATHS["float32"], PATHS["quantized"], args.tokens)
         folder = args.folder
         with tempfile.TemporaryDirectory() as tmp:

@@ -46,8 +46,8 @@ ENGINE_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "num_threads": (int, "torch CPU threads"),
     "quantization": (
         str,
-        "none (dequantize), int8 (float weights to int8 per channel); unset: a quantized "
-        "GGUF runs quantized on the CPU",
+        "none (dequantize), int8 (a GGUF's Q8_0/Q4_0/Q4_1 blocks as they are and float "
+        "weights to int8 per channel, on the CPU's int8 kernels); unset: dequantize",
     ),
 }
 # WorkerConfig field -> (flag, parser, help)
