@@ -439,7 +439,7 @@ def test_a_request_whose_token_processing_raises_fails_alone(
         monkeypatch.setattr(model_runner, "sample", sample)
         error, tokens = "ValueError: no token for this row", 0
     else:  # the third token of the poison request cannot be decoded
-        detokenizer = engine.output_processor.states["poison"].detokenizer
+        detokenizer = engine.output_processor.states[engine.requests["poison"]].detokenizer
         real_push, pushed = detokenizer.push, []
 
         def push(ids):

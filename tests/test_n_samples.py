@@ -1,0 +1,193 @@
+"""n outputs of one prompt: prefilled once, its blocks shared by reference and the last
+partial one copied on write; with a seed, output i equals a request of its own with seed
++ i. And prompt scoring (``prompt_logprobs``) against transformers in float32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import DEFAULT_MODEL
+from tests.redis_fixtures import CLIENT
+from tests.worker_support import (
+    WorkerThread,
+    fast_config,
+    make_engine,
+    reference_run,
+    tiny_model,  # noqa: F401
+)
+from tokenq.engine import LLM, SamplingParams
+from tokenq.producer.client import Client
+from tokenq.protocol import DoneEvent, Event, RestartEvent, TokenEvent, decode_event
+from tokenq.protocol.errors import InvalidRequest
+from tokenq.protocol.params import check_sizes
+from tokenq.worker.worker import Worker
+
+PROMPT = (
+    "The lighthouse keeper wrote in his log every night, describing the storms, the ships "
+    "that passed and the birds that rested on the rail. One quiet evening he wrote:"
+)
+SEEDED = {"temperature": 0.9, "seed": 1234, "max_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=64, block_size=16)
+
+
+def alone(llm: LLM, seed: int) -> list[int]:
+    (out,) = llm.generate(PROMPT, SamplingParams(**{**SEEDED, "seed": seed}))
+    return out.outputs[0].token_ids
+
+
+def test_output_i_of_n_equals_a_request_of_its_own_with_seed_plus_i(llm: LLM) -> None:
+    engine = llm.engine
+    prompt_tokens = engine.counters["prompt_tokens"]
+    engine.block_manager.reset_peak()
+    (out,) = llm.generate(PROMPT, SamplingParams(n=4, **SEEDED))
+    p = len(out.prompt_token_ids)
+    assert p % 16 and p > 32  # full blocks to share, and a partial one to copy
+    assert engine.counters["prompt_tokens"] - prompt_tokens == p  # prefilled once
+    # the prompt's full blocks once, then each output's own (its copy of the partial one)
+    full = p // 16
+    own = -(-(p + 8) // 16) - full
+    assert engine.stats().peak_used_blocks == full + 4 * own
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 8 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 4
+    for i, output in enumerate(out.outputs):
+        assert output.token_ids == alone(llm, 1234 + i)
+        assert output.text == llm.tokenizer.decode(output.token_ids)
+
+
+def test_stop_rules_and_penalties_apply_to_each_output(llm: LLM) -> None:
+    params = {"temperature": 0.9, "max_tokens": 8, "min_tokens": 2, "frequency_penalty": 1.0}
+    params |= {"stop": [" the"]}
+    (out,) = llm.generate(PROMPT, SamplingParams(n=2, seed=5, **params))
+    for i, got in enumerate(out.outputs):
+        (want,) = llm.generate(PROMPT, SamplingParams(seed=5 + i, **params))
+        assert (got.text, got.finish_reason) == (
+            want.outputs[0].text,
+            want.outputs[0].finish_reason,
+        )
+
+
+def test_a_group_preempted_for_blocks_recomputes_and_loses_nothing() -> None:
+    # 6 blocks of 16: the prompt's 3 fit, but not 3 outputs of 49 tokens (4 blocks each)
+    small = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=6, block_size=16)
+    params = {"temperature": 0.9, "max_tokens": 14, "ignore_eos": True}
+    (out,) = small.generate(PROMPT, SamplingParams(n=3, seed=99, **params))
+    assert small.engine.counters["preemptions_kv_cache"] > 0
+    for i, output in enumerate(out.outputs):
+        (one,) = small.generate(PROMPT, SamplingParams(seed=99 + i, **params))
+        assert output.token_ids == one.outputs[0].token_ids
+
+
+def test_n_is_bounded_by_the_limits() -> None:
+    check_sizes({"n": 16})
+    with pytest.raises(InvalidRequest, match="n: 17 outputs"):
+        check_sizes({"n": 17})
+    with pytest.raises(InvalidRequest, match="n: must be at least 1"):
+        SamplingParams(n=0)
+
+
+def test_prompt_logprobs_equal_transformers_in_float32() -> None:
+    from tokenq.bench.hf_reference import build_hf_model
+    from tokenq.engine.loader import load_checkpoint, resolve_model
+
+    # prefilled in chunks of 16: every chunk's rows are scored
+    llm = LLM(
+        DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=32, max_num_batched_tokens=16
+    )
+    (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=3, temperature=0))
+    ids = out.prompt_token_ids
+    checkpoint = load_checkpoint(resolve_model(DEFAULT_MODEL), torch.float32)
+    hf = build_hf_model(checkpoint.config, checkpoint.weights)
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert entry is not None and ids[pos] in entry
+        assert abs(entry[ids[pos]] - float(ref[pos - 1, ids[pos]])) < 1e-4
+        top = torch.topk(ref[pos - 1], 3)
+        for token, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert abs(entry[token] - lp) < 1e-4
+
+
+# -- through the queue ----------------------------------------------------------------
+
+
+def outputs_of(events: list[Event]) -> dict[int, tuple[list[int], str]]:
+    """Each output's streamed tokens and text, checking that they are contiguous: no gap
+    and no duplicate within an output (a restart voids only its own output)."""
+    streamed: dict[int, tuple[list[int], str]] = {}
+    for event in events:
+        if isinstance(event, RestartEvent):
+            streamed[event.output] = ([], "")
+        elif isinstance(event, TokenEvent):
+            ids, text = streamed.get(event.output, ([], ""))
+            assert event.index == len(ids), (event.output, event.index, len(ids))
+            streamed[event.output] = (ids + event.token_ids, text + event.text)
+    assert sum(e.type in ("done", "error") for e in events) == 1
+    return streamed
+
+
+def test_a_job_of_n_streams_each_output_and_ends_with_all_of_them(
+    llm: LLM, redis_url: str, redis_namespace: str
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    config = fast_config(redis_namespace)
+    with WorkerThread(Worker(llm.engine, client.redis, config)):
+        job = client.submit(PROMPT, n=4, **SEEDED)
+        events = list(job.stream(timeout=120))
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.outputs is not None
+    streamed = outputs_of(events)
+    assert [o.index for o in done.outputs] == [0, 1, 2, 3]
+    assert done.usage.completion_tokens == 4 * SEEDED["max_tokens"]
+    for i, output in enumerate(done.outputs):
+        assert streamed[i] == (output.token_ids, output.text)
+        assert output.finish_reason == "length"
+        assert output.token_ids == alone(llm, SEEDED["seed"] + i)
+    assert (done.text, done.token_ids) == (done.outputs[0].text, done.outputs[0].token_ids)
+    client.close()
+
+
+def test_a_dead_workers_job_of_n_resumes_every_output_without_duplicates(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    conn, keys = client.redis, client.keys
+    params = {"n": 3, "temperature": 0.9, "seed": 7, "max_tokens": 30, "ignore_eos": True}
+    job = client.submit("a long story", **params)
+    # Worker A streams a few tokens of every output, then stops dead (never called again).
+    a = Worker(make_engine(tiny_model), conn, fast_config(redis_namespace, consumer="a"))
+    a.register()
+
+    def published() -> dict[int, tuple[list[int], str]]:
+        return outputs_of(
+            [decode_event(i, f) for i, f in conn.xrange(keys.reply(job.id))]
+            + [DoneEvent("", "stop")]
+        )
+
+    while not all(len(published().get(i, ([], ""))[0]) >= 3 for i in range(3)):
+        a.run_once()
+    before = published()
+    with WorkerThread(
+        Worker(make_engine(tiny_model), conn, fast_config(redis_namespace, consumer="b"))
+    ):
+        events = list(job.stream(timeout=60))
+    assert not any(isinstance(e, RestartEvent) for e in events)
+    streamed = outputs_of(events)
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.outputs is not None
+    ((_, expected),) = reference_run(tiny_model, [{"prompt": "a long story", "params": params}])
+    for i, output in enumerate(done.outputs):
+        assert streamed[i][0] == output.token_ids == expected.outputs[i].token_ids
+        assert len(output.token_ids) == 30 > len(before[i][0])
+    client.close()
