@@ -4,19 +4,27 @@ partial one copied on write; with a seed, output i equals a request of its own w
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 
+from tests.faults import free_port
 from tests.helpers import DEFAULT_MODEL
-from tests.redis_fixtures import CLIENT
+from tests.redis_fixtures import CLIENT, TEST_MODEL
 from tests.worker_support import (
     WorkerThread,
     fast_config,
     make_engine,
     reference_run,
     tiny_model,  # noqa: F401
+    wait_for,
 )
 from tokenq.engine import LLM, SamplingParams
 from tokenq.producer.client import Client
@@ -37,9 +45,20 @@ def llm() -> LLM:
     return LLM(DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=64, block_size=16)
 
 
+_ALONE: dict[int, tuple[list[int], str]] = {}
+
+
 def alone(llm: LLM, seed: int) -> list[int]:
-    (out,) = llm.generate(PROMPT, SamplingParams(**{**SEEDED, "seed": seed}))
-    return out.outputs[0].token_ids
+    """A request of its own with ``seed`` (run once per module: several tests compare)."""
+    if seed not in _ALONE:
+        (out,) = llm.generate(PROMPT, SamplingParams(**{**SEEDED, "seed": seed}))
+        _ALONE[seed] = (out.outputs[0].token_ids, out.outputs[0].text)
+    return _ALONE[seed][0]
+
+
+def alone_text(llm: LLM, seed: int) -> str:
+    alone(llm, seed)
+    return _ALONE[seed][1]
 
 
 def test_output_i_of_n_equals_a_request_of_its_own_with_seed_plus_i(llm: LLM) -> None:
@@ -93,20 +112,31 @@ def test_n_is_bounded_by_the_limits() -> None:
         SamplingParams(n=0)
 
 
-def test_prompt_logprobs_equal_transformers_in_float32() -> None:
+@pytest.fixture(scope="module")
+def hf_logprobs() -> Callable[[list[int]], torch.Tensor]:
+    """transformers on the default model's weights in float32: log-softmax of every
+    position's logits for a prompt's ids."""
     from tokenq.bench.hf_reference import build_hf_model
     from tokenq.engine.loader import load_checkpoint, resolve_model
 
+    checkpoint = load_checkpoint(resolve_model(DEFAULT_MODEL), torch.float32)
+    hf = build_hf_model(checkpoint.config, checkpoint.weights)
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+
+    return logprobs
+
+
+def test_prompt_logprobs_equal_transformers_in_float32(hf_logprobs) -> None:
     # prefilled in chunks of 16: every chunk's rows are scored
     llm = LLM(
         DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=32, max_num_batched_tokens=16
     )
     (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=3, temperature=0))
     ids = out.prompt_token_ids
-    checkpoint = load_checkpoint(resolve_model(DEFAULT_MODEL), torch.float32)
-    hf = build_hf_model(checkpoint.config, checkpoint.weights)
-    with torch.inference_mode():
-        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    ref = hf_logprobs(ids)
     assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
     for pos in range(1, len(ids)):
         entry = out.prompt_logprobs[pos]
@@ -191,3 +221,101 @@ def test_a_dead_workers_job_of_n_resumes_every_output_without_duplicates(
         assert streamed[i][0] == output.token_ids == expected.outputs[i].token_ids
         assert len(output.token_ids) == 30 > len(before[i][0])
     client.close()
+
+
+# -- through the gateway, with the openai SDK ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gateway(llm: LLM, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`tokenq serve` in its own process before a worker on the default model (in a
+    thread, on the module's engine); the SDK's base URL."""
+    for i in range(4):  # the engine is the worker's once it starts
+        alone(llm, SEEDED["seed"] + i)
+    namespace = f"tqn-{time.monotonic_ns()}"
+    client = Client(redis_url, namespace=namespace, **CLIENT)
+    port = free_port()
+    log = tmp_path_factory.mktemp("gw") / "gateway.log"
+    cmd = [
+        sys.executable, "-m", "tokenq.cli", "serve", "--redis-url", redis_url,
+        "--namespace", namespace, "--port", str(port),
+    ]  # fmt: skip
+    with (
+        WorkerThread(Worker(llm.engine, client.redis, fast_config(namespace))),
+        log.open("w") as out,
+    ):
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: _healthy(port), timeout=60)
+            yield f"http://127.0.0.1:{port}/v1"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)
+    for key in client.redis.scan_iter(match=f"{namespace}:*", count=1000):
+        client.redis.delete(key)
+    client.close()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_the_sdk_gets_n_choices_each_equal_to_its_own_seeded_request(
+    llm: LLM, gateway: str
+) -> None:
+    sdk = openai.OpenAI(base_url=gateway, api_key="none")
+    asked = {"prompt": PROMPT, "n": 4, "temperature": 0.9, "seed": SEEDED["seed"]}
+    asked |= {"max_tokens": SEEDED["max_tokens"], "extra_body": {"ignore_eos": True}}
+    whole = sdk.completions.create(model=TEST_MODEL, **asked)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert whole.usage.completion_tokens == 4 * SEEDED["max_tokens"]
+    streamed: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for chunk in sdk.completions.create(model=TEST_MODEL, stream=True, **asked):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    for i, choice in enumerate(whole.choices):
+        want = alone_text(llm, SEEDED["seed"] + i)
+        assert choice.text == streamed[i] == want
+        assert choice.finish_reason == reasons[i] == "length"
+
+
+def test_chat_streams_each_choice_by_index(gateway: str) -> None:
+    sdk = openai.OpenAI(base_url=gateway, api_key="none")
+    messages = [{"role": "user", "content": "Name a colour."}]
+    asked = {"messages": messages, "n": 2, "temperature": 0.9, "seed": 3, "max_tokens": 4}
+    asked |= {"extra_body": {"ignore_eos": True}}
+    whole = sdk.chat.completions.create(model=TEST_MODEL, **asked)
+    texts: dict[int, str] = {}
+    for chunk in sdk.chat.completions.create(model=TEST_MODEL, stream=True, **asked):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
+    assert whole.usage.completion_tokens == 2 * 4  # summed over the choices
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_as_transformers_does(
+    gateway: str, hf_logprobs
+) -> None:
+    """What lm-evaluation-harness's local-completions model sends for log-likelihoods."""
+    sdk = openai.OpenAI(base_url=gateway, api_key="none")
+    text = "The capital of France is Paris"
+    answer = sdk.completions.create(
+        model=TEST_MODEL, prompt=text, echo=True, logprobs=1, max_tokens=0, temperature=0
+    )
+    (choice,) = answer.choices
+    assert choice.text == text and answer.usage.completion_tokens == 0
+    lp = choice.logprobs
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = hf_logprobs(ids)
+    for pos in range(1, len(ids)):
+        assert abs(lp.token_logprobs[pos] - float(ref[pos - 1, ids[pos]])) < 1e-4
+        best = int(ref[pos - 1].argmax())
+        assert abs(lp.top_logprobs[pos][f"token_id:{best}"] - float(ref[pos - 1, best])) < 1e-4
