@@ -12,6 +12,7 @@ TARGETS = {
     "fleet": "interactive jobs under a batch backlog, on one worker",
     "kernels": "the kernels against copy bandwidth (GPU) or the torch ops they replace (CPU)",
     "invariance": "greedy output batched against each prompt alone, per dtype",
+    "samples": "one job of n outputs against n separate jobs of the same prompt",
 }
 
 
