@@ -104,6 +104,25 @@ def test_a_group_preempted_for_blocks_recomputes_and_loses_nothing() -> None:
         assert output.token_ids == one.outputs[0].token_ids
 
 
+def test_cancelling_or_a_deadline_ends_every_output_and_frees_every_block(llm: LLM) -> None:
+    engine = llm.engine
+    free = engine.block_manager.num_free_blocks
+    params = SamplingParams(n=3, temperature=0.9, seed=1, max_tokens=50, ignore_eos=True)
+    engine.add_request("cancel-me", PROMPT, params=params)
+    engine.add_request("late", PROMPT, params=params, deadline=0.0)
+    late = [d for d in engine.step() if d.request_id == "late"]
+    assert [d.finished for d in late] == [False, False, True]
+    assert [o.finish_reason for o in late[-1].outputs] == ["deadline"] * 3
+    engine.step()
+    last = engine.abort("cancel-me")
+    assert last is not None and last.finished
+    assert [(o.index, o.finish_reason) for o in last.outputs] == [
+        (i, "cancelled") for i in range(3)
+    ]
+    assert [len(o.token_ids) for o in last.outputs] == [2, 2, 2]  # two steps: two tokens each
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == free
+
+
 def test_n_is_bounded_by_the_limits() -> None:
     check_sizes({"n": 16})
     with pytest.raises(InvalidRequest, match="n: 17 outputs"):
