@@ -404,8 +404,7 @@ class LLMEngine:
         group = seq.group
         if group is None:
             del self.requests[seq.request_id]
-            delta.prompt_logprobs = seq.prompt_logprobs
-            delta.prompt_token_ids = seq.prompt_token_ids
+            self._scored(delta, seq)
             return delta
         finals = self._finals.setdefault(seq.request_id, {})
         finals[seq.index] = delta
@@ -414,9 +413,15 @@ class LLMEngine:
             return delta
         del self.requests[seq.request_id], self._finals[seq.request_id]
         delta.outputs = [finals[i] for i in range(len(group.seqs))]
-        delta.prompt_logprobs = group.seqs[0].prompt_logprobs
-        delta.prompt_token_ids = seq.prompt_token_ids
+        self._scored(delta, group.seqs[0])
         return delta
+
+    def _scored(self, delta: RequestDelta, seq: Sequence) -> None:
+        """A request's last delta gets its prompt's scores, ids and text, if it asked."""
+        if seq.prompt_logprobs is not None:
+            delta.prompt_logprobs = seq.prompt_logprobs
+            delta.prompt_token_ids = seq.prompt_token_ids
+            delta.prompt_text = self.tokenizer.decode(seq.prompt_token_ids, False)
 
     def _end(self, seq: Sequence, reason: str, state: RequestState) -> list[RequestDelta]:
         """End every unfinished output of ``seq``'s request; the last delta ends it."""

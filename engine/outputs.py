@@ -39,6 +39,7 @@ class RequestDelta:
     # or {token: logprob} of the prompt's token and the top-k
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ids: list[int] | None = None  # set with prompt_logprobs
+    prompt_text: str | None = None  # the prompt decoded, set with prompt_logprobs
 
 
 @dataclass

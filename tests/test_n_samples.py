@@ -4,6 +4,7 @@ partial one copied on write; with a seed, output i equals a request of its own w
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -338,3 +339,67 @@ def test_echo_with_max_tokens_0_scores_the_prompt_as_transformers_does(
         assert abs(lp.token_logprobs[pos] - float(ref[pos - 1, ids[pos]])) < 1e-4
         best = int(ref[pos - 1].argmax())
         assert abs(lp.top_logprobs[pos][f"token_id:{best}"] - float(ref[pos - 1, best])) < 1e-4
+
+
+ITEMS = [
+    {"question": "The capital of France is", "choices": ["Paris", "Berlin", "Rome"], "answer": 0},
+    {"question": "Two plus two equals", "choices": ["five", "four", "ten"], "answer": 1},
+    {"question": "Water freezes at zero degrees", "choices": ["Celsius", "Kelvin"], "answer": 0},
+]
+TASK = """task: tokenq_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_evaluation_harness_scores_a_multiple_choice_task_as_transformers_does(
+    llm: LLM, gateway: str, hf_logprobs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lm-evaluation-harness's local-completions model against `tokenq serve`, offline, on
+    a task from a local file; skipped where lm_eval is not installed (it is no extra of
+    tokenq's: a large install)."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
+    (tmp_path / "tokenq_mc.yaml").write_text(TASK.format(items=items))
+    tokenizer = tmp_path / "tokenizer"
+    llm.tokenizer.save_pretrained(tokenizer)
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={
+            "model": TEST_MODEL,
+            "base_url": f"{gateway}/completions",
+            "tokenizer": str(tokenizer),
+            "tokenizer_backend": "huggingface",
+            "max_retries": 1,
+        },
+        tasks=["tokenq_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True,
+    )
+    samples = results["samples"]["tokenq_mc"]
+    assert len(samples) == len(ITEMS)
+    hf_tok = __import__("transformers").AutoTokenizer.from_pretrained(str(tokenizer))
+    for sample in samples:
+        doc = sample["doc"]
+        for (context, continuation), (ll, _) in zip(
+            sample["arguments"], [r[0] for r in sample["resps"]], strict=True
+        ):
+            whole = hf_tok.encode(context + continuation, add_special_tokens=False)
+            ctx = hf_tok.encode(context, add_special_tokens=False)
+            ref = hf_logprobs(whole)
+            want = sum(float(ref[p - 1, whole[p]]) for p in range(len(ctx), len(whole)))
+            assert abs(ll - want) < 1e-4, (doc["question"], continuation)

@@ -54,7 +54,7 @@ def _delta_fields(d: RequestDelta, inner: bool = False) -> tuple[Any, ...]:
         outputs = None
         if d.outputs is not None and not inner:
             outputs = [_delta_fields(o, inner=True) for o in d.outputs]
-        fields += (d.index, outputs, d.prompt_logprobs, d.prompt_token_ids)
+        fields += (d.index, outputs, d.prompt_logprobs, d.prompt_token_ids, d.prompt_text)
     return fields
 
 

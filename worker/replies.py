@@ -236,7 +236,8 @@ class Continuation:
             metadata=metadata,
             outputs=results if out.outputs else None,
             prompt_logprobs=wire_prompt_logprobs(out.prompt_logprobs),
-            prompt_token_ids=out.prompt_token_ids if out.prompt_logprobs is not None else None,
+            prompt_token_ids=out.prompt_token_ids,
+            prompt_text=out.prompt_text,
         )
         return [*events, done]
 

@@ -379,6 +379,7 @@ class DoneEvent(_Wire):
     # token, then (id, logprob) pairs: that token's first, then the top-k alternatives'.
     prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_token_ids: list[int] | None = None  # the prompt's tokens, with prompt_logprobs
+    prompt_text: str | None = None  # the prompt's text, with prompt_logprobs
     type: str = field(default=DONE, init=False)
 
     def to_data(self) -> dict[str, Any]:
@@ -406,6 +407,7 @@ class DoneEvent(_Wire):
                 for top in self.prompt_logprobs
             ]
             data["prompt_token_ids"] = self.prompt_token_ids
+            data["prompt_text"] = self.prompt_text
         return data
 
     @classmethod
@@ -431,6 +433,7 @@ class DoneEvent(_Wire):
                 None if top is None else _read_pairs([top])[0] for top in data["prompt_logprobs"]
             ],
             prompt_token_ids=data.get("prompt_token_ids"),
+            prompt_text=data.get("prompt_text"),
         )
 
 

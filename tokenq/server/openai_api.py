@@ -373,8 +373,13 @@ def to_submit_kwargs(kind: str, body: Any, limits: Limits = DEFAULT_LIMITS) -> d
         _only(body, "echo", (False, True), "echo is a boolean")
         if body.get("max_tokens") == 0 and body.get("echo") is not True:
             raise BadRequest("max_tokens: 0 only with echo=true (scoring the prompt)", "max_tokens")
-        if body.get("echo") and "prompt" not in _prompt(body, limits):
-            raise BadRequest("echo needs the prompt as text, not token ids", "echo")
+        if (
+            body.get("echo")
+            and "prompt" not in _prompt(body, limits)
+            and body.get("logprobs") is None
+        ):
+            # the gateway has no tokenizer: a scored prompt's text comes from the worker
+            raise BadRequest("echo of a token-id prompt needs logprobs", "echo")
         _only(body, "suffix", ("",), "no insertion")
         kwargs: dict[str, Any] = _prompt(body, limits)
     else:
@@ -474,6 +479,12 @@ class ChoiceLogprobs:
         return self.by_choice.get(index) or Logprobs()
 
 
+def echoed_text(form: Rendering, result: DoneEvent) -> str:
+    """What echo puts first: the prompt's text as given, or as the worker decoded a
+    token-id prompt it scored."""
+    return form.prompt or result.prompt_text or ""
+
+
 def usage_body(result: DoneEvent, prompt_only: bool = False) -> dict[str, int]:
     """The job's usage: completion tokens summed over its choices (none when only the
     prompt was scored: the token generated for it is not answered)."""
@@ -531,7 +542,7 @@ def response_body(
             text = "" if form.prompt_only else c.text
             choice = {
                 "index": c.index,
-                "text": form.prompt + text if form.echo else text,
+                "text": echoed_text(form, result) + text if form.echo else text,
                 "logprobs": rendered,
                 "finish_reason": "length" if form.prompt_only else c.finish_reason,
             }
