@@ -81,18 +81,19 @@ def main(argv: list[str] | None = None) -> None:
         f"# a {args.prompt_len}-token prompt, {args.n} outputs of {args.max_tokens} tokens "
         "(temperature 0.9, seeds 0..n-1), prefix caching on; fresh engine each side"
     )
+    print(f"{'side':<22}{'seconds':>9}{'tok/s':>9}{'prompt tok':>12}{'peak KV blocks':>16}")
     sides = []
     for together in (False, True):
         engine = engine_from(args, enable_prefix_caching=True)
-        sides.append(run(engine, prompt, other, args.n, params, together))
+        side = run(engine, prompt, other, args.n, params, together)
         del engine
-    apart, one = sides
-    same = "yes" if apart.outputs == one.outputs else "NO"
-    print(f"{'side':<22}{'seconds':>9}{'tok/s':>9}{'prompt tok':>12}{'peak KV blocks':>16}")
-    for side in sides:
         print(
             f"{side.name:<22}{side.seconds:>9.2f}{side.tokens_per_s:>9.1f}"
-            f"{side.prompt_tokens:>12}{side.peak_blocks:>16}"
+            f"{side.prompt_tokens:>12}{side.peak_blocks:>16}",
+            flush=True,
         )
+        sides.append(side)
+    apart, one = sides
+    same = "yes" if apart.outputs == one.outputs else "NO"
     ratio = one.tokens_per_s / apart.tokens_per_s
     print(f"# generated tokens/s, one job / separate jobs: {ratio:.2f}x; same tokens: {same}")
