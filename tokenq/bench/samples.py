@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(0)
     prompt, other = ([rng.randint(200, 40000) for _ in range(args.prompt_len)] for _ in "ab")
     params = {"temperature": 0.9, "seed": 0, "max_tokens": args.max_tokens, "ignore_eos": True}
-    threads = torch.get_num_threads()
+    threads = args.num_threads or torch.get_num_threads()
     print(f"# {cpu_name()}; torch {torch.__version__}, {threads} threads")
     print(
         f"# a {args.prompt_len}-token prompt, {args.n} outputs of {args.max_tokens} tokens "
