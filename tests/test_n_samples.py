@@ -43,7 +43,9 @@ SEEDED = {"temperature": 0.9, "seed": 1234, "max_tokens": 8, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=64, block_size=16)
+    return LLM(
+        DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=64, block_size=16, num_threads=1
+    )
 
 
 _ALONE: dict[int, tuple[list[int], str]] = {}
@@ -95,9 +97,11 @@ def test_stop_rules_and_penalties_apply_to_each_output(llm: LLM) -> None:
 
 
 def test_a_group_preempted_for_blocks_recomputes_and_loses_nothing() -> None:
-    # 6 blocks of 16: the prompt's 3 fit, but not 3 outputs of 49 tokens (4 blocks each)
-    small = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=6, block_size=16)
-    params = {"temperature": 0.9, "max_tokens": 14, "ignore_eos": True}
+    # 6 blocks of 16: the prompt's 3 fit, but not 3 outputs reaching 50 positions (4 blocks)
+    small = LLM(
+        DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=6, block_size=16, num_threads=1
+    )
+    params = {"temperature": 0.9, "max_tokens": 16, "ignore_eos": True}
     (out,) = small.generate(PROMPT, SamplingParams(n=3, seed=99, **params))
     assert small.engine.counters["preemptions_kv_cache"] > 0
     for i, output in enumerate(out.outputs):
@@ -152,7 +156,12 @@ def hf_logprobs() -> Callable[[list[int]], torch.Tensor]:
 def test_prompt_logprobs_equal_transformers_in_float32(hf_logprobs) -> None:
     # prefilled in chunks of 16: every chunk's rows are scored
     llm = LLM(
-        DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=32, max_num_batched_tokens=16
+        DEFAULT_MODEL,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=32,
+        max_num_batched_tokens=16,
+        num_threads=1,
     )
     (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=3, temperature=0))
     ids = out.prompt_token_ids
