@@ -97,11 +97,11 @@ def test_stop_rules_and_penalties_apply_to_each_output(llm: LLM) -> None:
 
 
 def test_a_group_preempted_for_blocks_recomputes_and_loses_nothing() -> None:
-    # 6 blocks of 16: the prompt's 3 fit, but not 3 outputs reaching 50 positions (4 blocks)
+    # 6 blocks of 16: the prompt's 33 tokens fit, not 3 outputs of 52 positions (4 blocks)
     small = LLM(
         DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=6, block_size=16, num_threads=1
     )
-    params = {"temperature": 0.9, "max_tokens": 16, "ignore_eos": True}
+    params = {"temperature": 0.9, "max_tokens": 20, "ignore_eos": True}
     (out,) = small.generate(PROMPT, SamplingParams(n=3, seed=99, **params))
     assert small.engine.counters["preemptions_kv_cache"] > 0
     for i, output in enumerate(out.outputs):
