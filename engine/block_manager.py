@@ -49,10 +49,16 @@ class BlockManager:
         self.free: dict[int, None] = dict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # prefix digest -> block id
         self.num_cache_hit_tokens = 0
+        # (source, destination) block pairs whose K/V the next pass must copy first
+        self.copies: list[tuple[int, int]] = []
+        self.peak_used_blocks = 0  # the most blocks held at once (``reset_peak`` restarts)
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free)
+
+    def reset_peak(self) -> None:
+        self.peak_used_blocks = self.num_blocks - len(self.free)
 
     def usage(self) -> float:
         return 1.0 - len(self.free) / self.num_blocks
@@ -78,12 +84,14 @@ class BlockManager:
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
         block.hash, block.ref_count = None, 1
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - len(self.free))
         return block_id
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.free[block_id]
+            self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - len(self.free))
         block.ref_count += 1
 
     def _unref(self, block_id: int) -> None:
@@ -139,14 +147,42 @@ class BlockManager:
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give ``seq`` blocks for its first ``num_tokens`` tokens; False (and no change)
-        when the pool has too few free blocks."""
-        need = self.blocks_needed(num_tokens) - len(seq.block_table)
-        if need <= 0:
+        when the pool has too few free blocks. A partial block shared with a forked output
+        is copied first (copy on write): the next pass writes into it."""
+        shared = self._shared_partial(seq)
+        need = max(0, self.blocks_needed(num_tokens) - len(seq.block_table)) + (shared is not None)
+        if need == 0:
             return True
         if need > len(self.free):
             return False
-        seq.block_table.extend(self._take_free() for _ in range(need))
+        if shared is not None:
+            copy = self._take_free()
+            self.copies.append((seq.block_table[shared], copy))
+            self._unref(seq.block_table[shared])
+            seq.block_table[shared] = copy
+        seq.block_table.extend(self._take_free() for _ in range(need - (shared is not None)))
         return True
+
+    def _shared_partial(self, seq: Sequence) -> int | None:
+        """The table index of the block the next token goes into, if it is partly filled
+        and another output of the same prompt holds it too."""
+        computed = seq.num_computed_tokens
+        i = computed // self.block_size
+        if computed % self.block_size == 0 or i >= len(seq.block_table):
+            return None
+        return i if self.blocks[seq.block_table[i]].ref_count > 1 else None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every block of ``parent`` (the prompt's), by reference."""
+        for block_id in parent.block_table:
+            if block_id != FREED:
+                self._ref(block_id)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
 
     def free_seq(self, seq: Sequence) -> None:
         """Release a request's blocks; the last-freed are reused last, keeping the deepest

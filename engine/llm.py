@@ -105,32 +105,37 @@ class _Result:
     def __init__(self, prompt: str | None, prompt_token_ids: list[int]) -> None:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.logprobs: list[dict[int, float]] = []
+        self.logprobs: dict[int, list[dict[int, float]]] = {}  # by output index
         self.last: RequestDelta | None = None
 
     def add(self, delta: RequestDelta) -> None:
-        self.logprobs += delta.logprobs or []
-        self.last = delta
+        self.logprobs.setdefault(delta.index, []).extend(delta.logprobs or [])
+        if delta.finished:
+            self.last = delta
 
     def output(self) -> RequestOutput:
         last = self.last
-        if last is None or not last.finished:
+        if last is None:
             raise RuntimeError("the engine stopped before the request finished")
-        completion = CompletionOutput(
-            index=0,
-            text=last.text or "",
-            token_ids=list(last.token_ids or []),
-            finish_reason=last.finish_reason,
-            logprobs=self.logprobs if last.logprobs is not None else None,
-        )
+        completions = [
+            CompletionOutput(
+                index=out.index,
+                text=out.text or "",
+                token_ids=list(out.token_ids or []),
+                finish_reason=out.finish_reason,
+                logprobs=self.logprobs.get(out.index, []) if out.logprobs is not None else None,
+            )
+            for out in last.outputs or [last]
+        ]
         return RequestOutput(
             request_id=last.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[completion],
+            outputs=completions,
             finished=True,
             metrics=last.metrics,
             error=last.error,
+            prompt_logprobs=last.prompt_logprobs,
         )
 
 

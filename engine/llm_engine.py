@@ -9,6 +9,7 @@ outputs (``OutputProcessor``: text, stop strings, deltas).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -31,7 +32,7 @@ from tokenq.engine.outputs import EngineStats, RequestDelta
 from tokenq.engine.prompts import Prompts
 from tokenq.engine.sampler import SampleResult
 from tokenq.engine.scheduler import ScheduledSeq, Scheduler
-from tokenq.engine.sequence import RequestMetrics, RequestState, Sequence
+from tokenq.engine.sequence import RequestMetrics, RequestState, SeqGroup, Sequence
 from tokenq.engine.structured import GrammarCompiler, StructuredStats
 from tokenq.protocol.errors import InvalidRequest, clip, describe
 from tokenq.protocol.params import SamplingParams
@@ -94,6 +95,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._in_flight: list[ScheduledSeq] = []  # the step whose pass runs now
+        # the last deltas of a request's outputs that ended while others run, by index
+        self._finals: dict[str, dict[int, RequestDelta]] = {}
 
     @property
     def backend(self) -> AttentionBackend:
@@ -145,23 +148,35 @@ class LLMEngine:
                 f"pass the context of {self.max_model_len} tokens (at most {room} fit)",
                 "max_tokens",
             )
-        seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            params=params,
-            priority=priority,
-            arrival_order=next(self._arrivals),
-            deadline=deadline,
-            metrics=RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
-        )
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        order = next(self._arrivals)
+        seqs = [
+            Sequence(
+                request_id=request_id,
+                prompt_token_ids=token_ids,
+                params=_output_params(params, i),
+                priority=priority,
+                arrival_order=order,
+                deadline=deadline,
+                metrics=RequestMetrics(arrival),
+                index=i,
+            )
+            for i in range(params.n)
+        ]
+        if params.n > 1:
+            group = SeqGroup(seqs)
+            for seq in seqs:
+                seq.group = group
+        seq = seqs[0]
         self.requests[request_id] = seq
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None:  # n is 1: SamplingParams refuses more
             future = self.grammars.submit(params.structured_outputs)
             self._compiling[request_id] = (seq, future, time.monotonic())
             self.counters["structured_requests"] += 1
         else:
-            self.scheduler.add(seq)
-        self.output_processor.add_request(seq)
+            self.scheduler.add(seq)  # the others fork from it once its prompt is computed
+        for s in seqs:
+            self.output_processor.add_request(s)
         self.counters["requests_added"] += 1
 
     def _check_vocabulary(self, params: SamplingParams) -> None:
@@ -193,7 +208,7 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is None:
             return None
-        return self._finish(seq, "cancelled", RequestState.CANCELLED)
+        return self._end(seq, "cancelled", RequestState.CANCELLED)[-1]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -216,6 +231,7 @@ class LLMEngine:
             kv_cache_usage=bm.usage(),
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_blocks,
+            peak_used_blocks=bm.peak_used_blocks,
             counters={**self.counters, "prefix_cache_hit_tokens": bm.num_cache_hit_tokens},
         )
 
@@ -245,6 +261,7 @@ class LLMEngine:
             if self._compiling:  # nothing else to do: wait a little for a grammar
                 wait([f for _, f, _ in self._compiling.values()], _COMPILE_POLL, FIRST_COMPLETED)
             return outputs
+        self.model_runner.copy_blocks(self.block_manager.take_copies())
         self._in_flight = sched.scheduled
         join = None if sched.preempted else self._join
         try:
@@ -429,26 +446,76 @@ class LLMEngine:
         what raised); the step goes on without it."""
         logger.warning("request %s failed", seq.request_id, exc_info=exc)
         seq.error = describe(exc)
+        if seq.group is None:
+            return self._finish(seq, "error", RequestState.FAILED, flush=False)
+        # one output failing fails its request: the others end first, cancelled
+        for other in seq.group.seqs:
+            if other is not seq and not other.state.finished:
+                self._finish(other, "cancelled", RequestState.CANCELLED)
         return self._finish(seq, "error", RequestState.FAILED, flush=False)
 
     def _finish(
         self, seq: Sequence, reason: str, state: RequestState, flush: bool = True
     ) -> RequestDelta:
         """End a request; ``flush`` adds the bytes of a character the output ended inside.
-        The flush comes first: if it raises, the request is still as it was."""
+        The flush comes first: if it raises, the request is still as it was. One output of
+        several ends alone (``finished`` False) until the last, whose delta carries all.
+        An output that never started (waiting to fork) can only be cancelled."""
         if flush:
             self.output_processor.flush(seq)
         seq.finish_reason = reason
+        if seq.state is RequestState.WAITING:
+            state = RequestState.CANCELLED
         seq.transition(state)
         compiling = self._compiling.pop(seq.request_id, None)
         if compiling is not None:
             compiling[1].cancel()
         self.scheduler.remove(seq)
-        del self.requests[seq.request_id]
         self.counters[f"finished_{reason}"] += 1
-        return self.output_processor.finish(seq)
+        delta = self.output_processor.finish(seq)
+        group = seq.group
+        if group is None:
+            del self.requests[seq.request_id]
+            self._scored(delta, seq)
+            return delta
+        finals = self._finals.setdefault(seq.request_id, {})
+        finals[seq.index] = delta
+        if not group.finished:
+            delta.finished = False
+            return delta
+        del self.requests[seq.request_id], self._finals[seq.request_id]
+        delta.outputs = [finals[i] for i in range(len(group.seqs))]
+        self._scored(delta, group.seqs[0])
+        return delta
+
+    def _scored(self, delta: RequestDelta, seq: Sequence) -> None:
+        """A request's last delta gets its prompt's scores, ids and text, if it asked."""
+        if seq.prompt_logprobs is not None:
+            delta.prompt_logprobs = seq.prompt_logprobs
+            delta.prompt_token_ids = seq.prompt_token_ids
+            delta.prompt_text = self.tokenizer.decode(seq.prompt_token_ids, False)
+
+    def _end(self, seq: Sequence, reason: str, state: RequestState) -> list[RequestDelta]:
+        """End every unfinished output of ``seq``'s request; the last delta ends it."""
+        members = [seq] if seq.group is None else seq.group.seqs
+        return [self._finish(m, reason, state) for m in members if not m.state.finished]
 
     def _expire_deadlines(self) -> list[RequestDelta]:
         now = time.monotonic()
         late = [s for s in self.requests.values() if s.deadline is not None and now >= s.deadline]
-        return [self._finish(s, "deadline", RequestState.CANCELLED) for s in late]
+        return [d for s in late for d in self._end(s, "deadline", RequestState.CANCELLED)]
+
+
+def _output_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Output ``index``'s parameters: one output, and with a seed ``seed + index``, so that
+    it samples as a request of its own with that seed would. Only the first output scores
+    the prompt (it prefills it)."""
+    if params.n == 1:
+        return params
+    own = copy.copy(params)
+    own.n = 1
+    if params.seed is not None:
+        own.seed = params.seed + index
+    if index:
+        own.prompt_logprobs = None
+    return own

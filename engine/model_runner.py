@@ -91,7 +91,7 @@ class ModelRunner:
         ``between_layers``: see ``CausalLM.forward``. After each call, ``join`` gives the
         requests (if any) that join the pass there: they are appended to ``scheduled``, so
         that the caller books them with the rest."""
-        inputs = self._inputs(scheduled)
+        inputs, prompt_rows = self._inputs(scheduled)
         masks = self.masks.start([s.seq.grammar for s in scheduled if s.samples])
         hook = between_layers
         if between_layers is not None and join is not None:
@@ -104,7 +104,7 @@ class ModelRunner:
                 if not joining:
                     return None
                 scheduled.extend(joining)
-                new = self._inputs(joining)
+                new, _ = self._inputs(joining)  # none scores its prompt (scheduler)
                 merged = _merged(merged, new)
                 return Join(new, merged)
 
@@ -117,12 +117,24 @@ class ModelRunner:
             hook,
         )
         logits = logits.to("cpu", torch.float32)
+        num_prompt_rows = sum(count for _, _, count in prompt_rows)
+        if prompt_rows:
+            _score_prompts(prompt_rows, logits[:num_prompt_rows])
         seqs = [s.seq for s in scheduled if s.samples]
-        return self._sample(seqs, logits, self.masks.allowed(masks, [q.grammar for q in seqs]))
+        allowed = self.masks.allowed(masks, [q.grammar for q in seqs])
+        return self._sample(seqs, logits[num_prompt_rows:], allowed)
 
-    def _inputs(self, scheduled: list[ScheduledSeq]) -> ModelInputs:
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (source, destination) block's K/V, in every layer."""
+        if copies:
+            src, dst = (torch.tensor(x, device=self.device) for x in zip(*copies, strict=True))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def _inputs(self, scheduled: list[ScheduledSeq]) -> tuple[ModelInputs, PromptRows]:
         """The batch's tokens as one flat row, with what attention needs to find each
-        request's tokens and blocks; logits only where a request samples."""
+        request's tokens and blocks; logits where a request samples (a forked output of no
+        tokens samples from its leader's row, just before it), and first, at every prompt
+        position of a request that scores its prompt (those rows, per request)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -130,7 +142,12 @@ class ModelRunner:
         cu = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
+        prompt_indices: list[int] = []
+        prompt_rows: PromptRows = []
         for s in scheduled:
+            if s.num_tokens == 0:  # a fork: its leader's last row
+                logits_indices.append(logits_indices[-1])
+                continue
             end = s.start + s.num_tokens
             input_ids += s.seq.token_ids[s.start : end]
             positions += range(s.start, end)
@@ -146,10 +163,15 @@ class ModelRunner:
             seq_lens.append(end)
             if s.samples:
                 logits_indices.append(cu[-1] - 1)
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        tables = [
-            s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled
-        ]
+            if s.seq.needs_prompt_logprobs:
+                # row p predicts token p + 1: the prompt's rows but the one that samples
+                count = min(end, s.seq.num_prompt_tokens - 1) - s.start
+                if count > 0:
+                    prompt_indices += range(cu[-2], cu[-2] + count)
+                    prompt_rows.append((s.seq, s.start, count))
+        attended = [s for s in scheduled if s.num_tokens]
+        max_blocks = max(len(s.seq.block_table) for s in attended)
+        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in attended]
         if self.frees_blocks:  # freed entries (attention never reads them) name block 0
             tables = [[max(b, 0) for b in table] for table in tables]
         dev = self.device
@@ -165,9 +187,13 @@ class ModelRunner:
             max_query_len=max(s.num_tokens for s in scheduled),
             max_seq_len=max(seq_lens),
         )
-        return ModelInputs(
-            t(input_ids, torch.long), t(positions, torch.long), meta, t(logits_indices, torch.long)
+        inputs = ModelInputs(
+            t(input_ids, torch.long),
+            t(positions, torch.long),
+            meta,
+            t(prompt_indices + logits_indices, torch.long),
         )
+        return inputs, prompt_rows
 
     def _sample(
         self, seqs: list[Sequence], logits: torch.Tensor, allowed: list[torch.Tensor | None]
@@ -217,6 +243,31 @@ class ModelRunner:
         if not p.ignore_eos:
             banned += self.eos_token_ids
         return banned
+
+
+# (request, first prompt position, how many) of the rows that score prompt tokens
+PromptRows = list[tuple[Sequence, int, int]]
+
+
+def _score_prompts(prompt_rows: PromptRows, logits: torch.Tensor) -> None:
+    """Each prompt token's log-probability given the tokens before it, with the top-k
+    alternatives (``prompt_logprobs``), into its request, from the rows predicting it."""
+    row = 0
+    for seq, start, count in prompt_rows:
+        logprobs = torch.log_softmax(logits[row : row + count], -1)
+        row += count
+        targets = seq.prompt_token_ids[start + 1 : start + 1 + count]
+        chosen = logprobs.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1).tolist()
+        k = seq.params.prompt_logprobs or 0
+        top = torch.topk(logprobs, k) if k else None
+        for j, (token, lp) in enumerate(zip(targets, chosen, strict=True)):
+            entry = {token: lp}  # the prompt's own token first, then the top-k
+            if top is not None:
+                for alt, alt_lp in zip(
+                    top.indices[j].tolist(), top.values[j].tolist(), strict=True
+                ):
+                    entry.setdefault(alt, alt_lp)
+            seq.prompt_logprobs[start + 1 + j] = entry  # type: ignore[index]
 
 
 def _merged(a: ModelInputs, b: ModelInputs) -> ModelInputs:

@@ -109,14 +109,15 @@ class OutputState:
 
 
 class OutputProcessor:
-    """The output state of every unfinished request, by request id."""
+    """The output state of every unfinished output, by its sequence (a request of n
+    outputs has n)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, OutputState] = {}
+        self.states: dict[Sequence, OutputState] = {}
 
     def add_request(self, seq: Sequence) -> None:
-        self.states[seq.request_id] = OutputState(
+        self.states[seq] = OutputState(
             IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
             if seq.params.detokenize
             else None
@@ -132,7 +133,7 @@ class OutputProcessor:
         """Take the request's newest token (already in ``seq``) into its text. With
         ``find_stop``, look for a stop string: True when one was found, and the text cut
         where it starts (the request then stops, without flushing: what follows is gone)."""
-        state = self.states[seq.request_id]
+        state = self.states[seq]
         if logprobs is not None:
             state.logprobs.append(logprobs)
         if state.detokenizer is None:
@@ -149,18 +150,18 @@ class OutputProcessor:
     def delta(self, seq: Sequence) -> RequestDelta:
         """What is new since the last delta: all new tokens, and the new text except a tail
         that may still grow into a stop string."""
-        state = self.states[seq.request_id]
+        state = self.states[seq]
         return self._delta(seq, state, _safe_text_len(state.text, seq.params.stop))
 
     def flush(self, seq: Sequence) -> None:
         """The request ends: add the bytes of a character its output ended inside."""
-        state = self.states[seq.request_id]
+        state = self.states[seq]
         if state.detokenizer is not None:
             state.text += state.detokenizer.flush()
 
     def finish(self, seq: Sequence) -> RequestDelta:
-        """The last delta of a finished request (all its text), forgetting it."""
-        state = self.states.pop(seq.request_id)
+        """The last delta of a finished output (all its text), forgetting it."""
+        state = self.states.pop(seq)
         return self._delta(seq, state, len(state.text), finished=True)
 
     def _delta(
@@ -184,6 +185,7 @@ class OutputProcessor:
             token_ids=list(seq.output_token_ids) if finished else None,
             error=seq.error,
             error_code=seq.error_code,
+            index=seq.index,
         )
 
 

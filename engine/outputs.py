@@ -10,10 +10,13 @@ from tokenq.engine.sequence import RequestMetrics
 
 @dataclass
 class RequestDelta:
-    """What one request did in one step (or its final state when ``finished``).
+    """What one output of a request did in one step (or its final state when it ended:
+    ``finish_reason`` set, ``text`` and ``token_ids`` whole).
 
     ``new_text`` never contains a stop string or a piece of one that may still complete;
-    the deltas of a request joined equal its final ``text``.
+    the deltas of an output joined equal its final ``text``. ``finished``: the request
+    ended (all its outputs): for n > 1 that delta's ``outputs`` holds every output's last
+    delta, by index.
     """
 
     request_id: str
@@ -33,12 +36,19 @@ class RequestDelta:
     # The client's error code when the request itself was at fault (a grammar that does not
     # compile: invalid_params); None for the engine's own failures.
     error_code: str | None = None
+    index: int = 0  # which of the request's n outputs
+    outputs: list[RequestDelta] | None = None  # n > 1, on the request's last delta
+    # prompt_logprobs, on the request's last delta: per prompt position, None (the first)
+    # or {token: logprob} of the prompt's token and the top-k
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # set with prompt_logprobs
+    prompt_text: str | None = None  # the prompt decoded, set with prompt_logprobs
 
 
 @dataclass
 class CompletionOutput:
     """One generated sequence of a request, as vLLM's ``CompletionOutput``: ``index`` is
-    its place among the request's ``n`` samples (always 0 here: n is 1)."""
+    its place among the request's ``n`` samples."""
 
     index: int
     text: str
@@ -60,6 +70,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -69,4 +80,5 @@ class EngineStats:
     kv_cache_usage: float
     num_free_blocks: int
     num_blocks: int
+    peak_used_blocks: int = 0  # the most KV blocks held at once
     counters: dict[str, int] = field(default_factory=dict)

@@ -196,20 +196,49 @@ class Scheduler:
         self.block_manager.free_seq(seq)
 
     def _preempt(self, seq: Sequence, cause: PreemptCause, out: SchedulerOutput) -> int:
-        """Send a running request back to wait, its blocks freed and its output kept.
-        Returns the tokens this step had already given it, which are unspent again."""
-        self.running.remove(seq)
-        self.block_manager.free_seq(seq)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        seq.transition(RequestState.PREEMPTED)
-        self._enqueue(seq)
-        out.preempted[seq] = cause
-        entry = next((s for s in out.scheduled if s.seq is seq), None)
-        if entry is None:
-            return 0
-        out.scheduled.remove(entry)
-        return entry.num_tokens
+        """Send a running request back to wait, its blocks freed and its output kept; all
+        the running outputs of its group go with it (they are recomputed together, side by
+        side in the queue). Returns the tokens this step had already given them, which are
+        unspent again."""
+        members = [seq] if seq.group is None else [m for m in seq.group.seqs if m in self.running]
+        unspent = 0
+        for member in members:
+            self.running.remove(member)
+            self.block_manager.free_seq(member)
+            member.num_computed_tokens = 0
+            member.num_preemptions += 1
+            member.transition(RequestState.PREEMPTED)
+            self._enqueue(member)
+            out.preempted[member] = cause
+            entry = next((s for s in out.scheduled if s.seq is member), None)
+            if entry is not None:
+                out.scheduled.remove(entry)
+                unspent += entry.num_tokens
+        return unspent
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Sequence slots a waiting request takes: a leader brings its group's outputs."""
+        return len(seq.group.seqs) if seq.unforked else 1  # type: ignore[union-attr]
+
+    def _fork(self, entry: ScheduledSeq, out: SchedulerOutput) -> None:
+        """If ``entry`` computes its group leader's last prompt token, start the group's other
+        outputs on the leader's blocks, each sampling from the leader's logits row (a
+        scheduled entry of no tokens, right after the leader's)."""
+        seq = entry.seq
+        if not seq.unforked or entry.start + entry.num_tokens != seq.num_prompt_tokens:
+            return
+        assert seq.group is not None
+        seq.group.forked = True
+        at = out.scheduled.index(entry) + 1
+        for child in seq.group.seqs[1:]:
+            if child.state.finished:
+                continue
+            self.block_manager.fork(seq, child)
+            child.transition(RequestState.PREFILLING)
+            bisect.insort(self.running, child, key=lambda s: s.sort_key)
+            out.scheduled.insert(at, ScheduledSeq(child, 0, seq.num_prompt_tokens))
+            at += 1
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -231,13 +260,18 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
+                # a group's outputs before this one leave too: the walk steps back over them
+                i -= sum(1 for m in self.running[:i] if m.group and m.group is victim.group)
                 self._preempt(victim, "kv_cache", out)
-                if victim is seq:
+                if seq not in self.running:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+                entry = ScheduledSeq(seq, n, seq.num_computed_tokens)
+                out.scheduled.append(entry)
                 budget -= n
-                i += 1
+                before = len(self.running)
+                self._fork(entry, out)
+                i += 1 + len(self.running) - before  # the forked outputs are scheduled
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -250,12 +284,19 @@ class Scheduler:
             seq = self.waiting[0][1]
             if seq in out.preempted:
                 break  # never back in the step that preempted it
-            if len(self.running) >= self.max_num_seqs and self.running[-1].priority <= seq.priority:
+            seats = self._seats(seq)
+            if (
+                self.running
+                and len(self.running) + seats > self.max_num_seqs
+                and self.running[-1].priority <= seq.priority
+            ):
                 break  # no slot to be had: spare hashing its prompt
-            hits = bm.match_prefix(seq)
+            hits = self._prefix_hits(seq)
             computed = len(hits) * bm.block_size
             n = min(seq.num_tokens - computed, budget)
-            victims = self._make_room(seq, bm.blocks_needed(computed + n) - len(hits), hits)
+            # a group's outputs will each copy the prompt's last partial block
+            need = bm.blocks_needed(computed + n) - len(hits) + seats - 1
+            victims = self._make_room(seq, need, hits)
             if victims is None:
                 break
             for victim in victims:
@@ -286,12 +327,20 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and more():
             seq = self.waiting[0][1]
+            if seq.needs_prompt_logprobs:
+                break  # its logits rows are read in the step's own pass only
             hits = bm.match_prefix(seq)
             computed = len(hits) * bm.block_size
             n = min(seq.num_tokens - computed, budget)
-            if not bm.can_allocate(bm.blocks_needed(computed + n) - len(hits), hits):
+            need = bm.blocks_needed(computed + n) - len(hits) + self._seats(seq) - 1
+            if not bm.can_allocate(need, hits):
                 break
             budget -= self._admit(seq, hits, n, out)
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached prefix blocks to start on: none for a prompt whose log-probabilities are
+        wanted, since every one of its positions must be computed."""
+        return [] if seq.needs_prompt_logprobs else self.block_manager.match_prefix(seq)
 
     def _admit(self, seq: Sequence, hits: list[int], n: int, out: SchedulerOutput) -> int:
         """Start the first waiting request on its cached prefix ``hits`` and a first chunk
@@ -303,7 +352,9 @@ class Scheduler:
         bm.grow(seq, computed + n)
         seq.transition(RequestState.PREFILLING)
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
-        out.scheduled.append(ScheduledSeq(seq, n, computed))
+        entry = ScheduledSeq(seq, n, computed)
+        out.scheduled.append(entry)
+        self._fork(entry, out)
         return n
 
     def _make_room(
@@ -318,8 +369,9 @@ class Scheduler:
         released: Counter[int] = Counter()  # block id -> references the victims hold
         victims: list[Sequence] = []
         candidates = reversed(self.running)
+        seats = self._seats(seq)
         while not (
-            len(self.running) - len(victims) < self.max_num_seqs
+            len(self.running) - len(victims) + seats <= self.max_num_seqs
             and self.block_manager.can_allocate(num_new_blocks, hits, released)
         ):
             victim = next(candidates, None)

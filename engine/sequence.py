@@ -98,9 +98,16 @@ class Sequence:
     # The llguidance matcher of a request with structured outputs: it has consumed every
     # output token, so it lives through preemption (the output is kept) unchanged.
     grammar: Any = None
+    index: int = 0  # which of its request's n outputs this is
+    group: SeqGroup | None = None  # the request's outputs, when it has more than one
+    # prompt_logprobs: per prompt position, None or {token: logprob} (the token's own and
+    # the top-k); filled as the prompt is computed (None: not asked for)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -115,9 +122,22 @@ class Sequence:
         return len(self.output_token_ids)
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Lower priority value first, then arrival: the order of service and of survival."""
-        return (self.priority, self.arrival_order)
+    def sort_key(self) -> tuple[int, int, int]:
+        """Lower priority value first, then arrival, then output index: the order of service
+        and of survival (a request's outputs stay side by side)."""
+        return (self.priority, self.arrival_order, self.index)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt positions still lack their log-probabilities: then its prefill
+        skips the prefix cache and every prompt position gives logits."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) > 1 and lps[-1] is None
+
+    @property
+    def unforked(self) -> bool:
+        """A leader whose group's other outputs wait to fork from its computed prompt."""
+        return self.group is not None and not self.group.forked and self.index == 0
 
     def transition(self, new_state: RequestState) -> None:
         if new_state not in _ALLOWED[self.state]:
@@ -139,3 +159,17 @@ class Sequence:
         if self.metrics.first_token is None:
             self.metrics.first_token = now
         self.metrics.token_times.append(now)
+
+
+@dataclass(eq=False)
+class SeqGroup:
+    """The n outputs of one request. ``seqs[0]`` prefills the prompt; in the step that
+    computes its last prompt token the others fork from it (``forked``), sharing its blocks
+    by reference count, and sample their first token from the same logits."""
+
+    seqs: list[Sequence]
+    forked: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.state.finished for s in self.seqs)

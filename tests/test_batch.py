@@ -146,6 +146,20 @@ def test_a_500_line_batch_answers_every_custom_id_once(
     assert len(records(out)) == 500
 
 
+def test_a_line_with_n_is_answered_with_n_choices(
+    worker: WorkerProcess, redis_url: str, redis_namespace: str, tmp_path: Path
+) -> None:
+    extra = {"n": 3, "temperature": 0.9, "seed": 4, "ignore_eos": True}
+    source = write_batch(tmp_path / "in.jsonl", [request_line(i, **extra) for i in range(2)])
+    out = tmp_path / "out.jsonl"
+    done = run_batch(redis_url, redis_namespace, source, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rec in records(out):
+        body = rec["response"]["body"]
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert body["usage"]["completion_tokens"] == 3 * MAX_TOKENS
+
+
 def test_a_batch_killed_halfway_resumes_without_generating_anything_twice(
     worker: WorkerProcess, redis_url: str, redis_namespace: str, tmp_path: Path
 ) -> None:

@@ -14,7 +14,16 @@ from tokenq.bench.main import TARGETS
 from tokenq.cli import main as tokenq
 from tokenq.cli.worker import ENGINE_OPTIONS
 
-ENGINE_TARGETS = ("engine", "queue", "gateway", "batch", "fleet", "invariance", "structured")
+ENGINE_TARGETS = (
+    "engine",
+    "queue",
+    "gateway",
+    "batch",
+    "fleet",
+    "invariance",
+    "structured",
+    "samples",
+)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -35,6 +44,21 @@ def test_first_difference_is_the_first_index_or_the_shorter_length() -> None:
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_bench_samples_reports_the_prompt_computed_once_and_the_same_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = make_tiny_llama_dir(tmp_path / "tiny")
+    argv = ["bench", "samples", "--model", str(model), "--device", "cpu", "--num-threads", "1"]
+    argv += ["--num-kv-blocks", "64"]
+    assert tokenq([*argv, "--n", "4", "--prompt-len", "40", "--max-tokens", "6"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line[:22].strip(): line[22:].split() for line in lines[3:5]}
+    apart, one = rows["4 separate jobs"], rows["n=4 in one job"]
+    assert one[2] == "40" and int(apart[2]) >= 40  # prompt tokens computed
+    assert int(one[3]) < int(apart[3])  # peak KV blocks: the prompt's full ones held once
+    assert lines[5].endswith("same tokens: yes")
 
 
 def test_bench_invariance_reports_fp32_batched_equal_to_alone_on_a_tiny_model(

@@ -252,6 +252,28 @@ def test_send_task_gives_the_engines_tokens_and_streams_them_as_progress(
     assert reply.done.token_ids == result["token_ids"]
 
 
+def test_a_task_of_n_holds_every_output_each_equal_to_its_own_seeded_job(
+    shared_bridge: tuple[Stack, BridgeProcess],
+    tiny_model: Path,  # noqa: F811
+) -> None:
+    shared, _ = shared_bridge
+    params = {"temperature": 0.9, "max_tokens": 8, "ignore_eos": True}
+    r = shared.send(prompt="Name three rivers.", n=3, seed=11, **params)
+    messages: list[dict[str, Any]] = []
+    result = r.get(timeout=30, on_message=messages.append)
+    alone = [
+        {"prompt": "Name three rivers.", "params": {**params, "seed": 11 + i}} for i in range(3)
+    ]
+    expected = [final for _, final in reference_run(tiny_model, alone)]
+    assert [o["index"] for o in result["outputs"]] == [0, 1, 2]
+    assert [o["token_ids"] for o in result["outputs"]] == [f.token_ids for f in expected]
+    assert result["usage"]["completion_tokens"] == 3 * 8
+    progress = [m["result"] for m in messages if m["status"] == PROGRESS]
+    for i, output in enumerate(result["outputs"]):
+        mine = [p for p in progress if p.get("output", 0) == i]
+        assert sum((p["token_ids"] for p in mine), []) == output["token_ids"]
+
+
 @engine_threads
 def test_groups_chains_and_chords_run_through_the_bridge(
     shared: Stack,

@@ -439,7 +439,7 @@ def test_a_request_whose_token_processing_raises_fails_alone(
         monkeypatch.setattr(model_runner, "sample", sample)
         error, tokens = "ValueError: no token for this row", 0
     else:  # the third token of the poison request cannot be decoded
-        detokenizer = engine.output_processor.states["poison"].detokenizer
+        detokenizer = engine.output_processor.states[engine.requests["poison"]].detokenizer
         real_push, pushed = detokenizer.push, []
 
         def push(ids):
@@ -731,11 +731,11 @@ def test_joined_inputs_equal_the_inputs_of_all_the_requests_at_once(tiny_dir: Pa
         engine.add_request(f"r{i}", prompt_token_ids=ids, params=GREEDY)
     scheduled = engine.scheduler.schedule().scheduled
     runner = engine.model_runner
-    whole = runner._inputs(scheduled)
+    whole = runner._inputs(scheduled)[0]
     parts = [scheduled[:1], scheduled[1:3], scheduled[3:]]
-    merged = runner._inputs(parts[0])
+    merged = runner._inputs(parts[0])[0]
     for part in parts[1:]:
-        merged = _merged(merged, runner._inputs(part))
+        merged = _merged(merged, runner._inputs(part)[0])
     for name in ("input_ids", "positions", "logits_indices"):
         assert torch.equal(getattr(merged, name), getattr(whole, name)), name
     for name in ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping"):

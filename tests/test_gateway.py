@@ -528,7 +528,7 @@ def test_bad_requests_never_reach_the_queue(
     cases = [
         ({"temperature": -1}, "temperature"),
         ({"top_p": 2}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"extra_body": {"top_k": -5}}, "top_k"),
         ({"extra_body": {"priority": "high"}}, "priority"),
         ({"extra_body": {"frobnicate": True}}, "frobnicate"),

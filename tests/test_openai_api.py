@@ -19,7 +19,9 @@ from tokenq.protocol.errors import InvalidRequest
 from tokenq.protocol.params import SamplingParams, check_sizes
 from tokenq.server.openai_api import (
     BadRequest,
+    ChoiceLogprobs,
     Logprobs,
+    Rendering,
     chunk_body,
     job_error,
     rendering,
@@ -146,7 +148,7 @@ def test_chat_messages_and_token_limits() -> None:
             chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
             "response_format",
         ),
-        (chat(n=2), "n"),
+        (chat(n=17), "n"),
         (chat(max_tokens=0), "max_tokens"),
         (chat(max_tokens=4, max_completion_tokens=5), "max_tokens"),
         (chat(temperature=-0.1), "temperature"),
@@ -192,7 +194,7 @@ def test_bad_chat_fields_are_named(body: dict, param: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("echo", True), ("best_of", 2), ("suffix", "end"), ("logprobs", 21)]
+    ("field", "value"), [("echo", "yes"), ("best_of", 2), ("suffix", "end"), ("logprobs", 21)]
 )
 def test_unsupported_completion_options(field: str, value: object) -> None:
     with pytest.raises(BadRequest) as info:
@@ -252,7 +254,7 @@ def test_ranges_are_the_engines(name: str, values: list[float]) -> None:
     [
         ({"temperature": "hot"}, {"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, {"top_p": 0}, "top_p"),
-        ({"n": 3}, {"n": 3}, "n"),
+        ({"n": 17}, {"n": 17}, "n"),
         ({"seed": 2**63}, {"seed": 2**63}, "seed"),
         ({"max_completion_tokens": -1}, {"max_tokens": -1}, "max_completion_tokens"),
         ({"max_tokens": 2, "min_tokens": 3}, {"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
@@ -275,7 +277,7 @@ def test_a_refused_field_gets_the_contracts_message_and_the_requests_name(
     assert (gateway.value.message, gateway.value.param) == (contract.value.message, param)
     assert gateway.value.body()["error"]["code"] == contract.value.code == "invalid_params"
     job = make_request(messages=[{"role": "user", "content": "hi"}], **params)
-    if param in ("stop", "stop_token_ids"):  # a size: the client refuses it before Redis
+    if param in ("stop", "stop_token_ids", "n"):  # a size: the client refuses it before Redis
         with pytest.raises(ProtocolError) as client:
             job.validate()
         assert (client.value.code, client.value.message) == (
@@ -347,7 +349,9 @@ def test_logprobs_rendering() -> None:
         {"token_id:5": -0.1, "token_id:9": -2.5},
         {"token_id:7": -0.2, "token_id:8": -1.0},
     ]
-    body = response_body("chat", "j", "m", done(), 1, lp, 0)
+    body = response_body(
+        "chat", "j", "m", done(), 1, ChoiceLogprobs({0: lp}), Rendering(logprobs=0)
+    )
     assert body["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
 
 

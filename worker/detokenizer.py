@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 def text_side(params: SamplingParams) -> str:
     """Who makes a queue process's job's text: the queue process, unless the engine must
-    see it to end the job at a stop string (or no text is wanted)."""
-    return QUEUE if params.detokenize and not params.stop else ENGINE
+    see it to end the job at a stop string, or the job has several outputs (or no text is
+    wanted)."""
+    return QUEUE if params.detokenize and not params.stop and params.n == 1 else ENGINE
 
 
 class Detokenizing:

@@ -9,7 +9,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tokenq.protocol import ERROR, ErrorEvent, Event, JobRequest, TokenEvent, lane_of
+from tokenq.protocol import (
+    ERROR,
+    ErrorEvent,
+    Event,
+    JobRequest,
+    RestartEvent,
+    TokenEvent,
+    lane_of,
+)
 from tokenq.protocol.keys import Layout
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.entries import Rejection, dead_letter
@@ -46,8 +54,18 @@ class InFlight:
     def queue(self, event: Event) -> None:
         """Tokens that follow unpublished tokens join their event: while Redis falls
         behind, a job's pending tokens go out as one. The first `sent` events may be in
-        Redis already (a call whose answer never came), so nothing joins them."""
+        Redis already (a call whose answer never came), so nothing joins them. A job of
+        n outputs joins each output's tokens to that output's last event."""
         last = self.outbox[-1] if len(self.outbox) > self.sent else None
+        if isinstance(event, TokenEvent) and event.output != getattr(last, "output", 0):
+            last = next(
+                (
+                    e
+                    for e in reversed(self.outbox[self.sent :])
+                    if not isinstance(e, TokenEvent | RestartEvent) or e.output == event.output
+                ),
+                None,
+            )
         if isinstance(event, TokenEvent) and isinstance(last, TokenEvent):
             last.token_ids = last.token_ids + event.token_ids
             last.text += event.text

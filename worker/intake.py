@@ -324,7 +324,7 @@ class Intake:
         if text_by != ENGINE:
             params.detokenize = False  # the engine makes none: `text_by` does
         logprobs = job.params.get("logprobs") is not None
-        continuation = Continuation(history, logprobs)
+        continuation = Continuation(history, logprobs, params.n)
         inf = InFlight(job, delivery, continuation, next_seq, self.table.backlog(delivery))
         inf.hooks = self.table.job_hooks(delivery, job)
         self.table.add(inf)
@@ -332,7 +332,7 @@ class Intake:
             "job started",
             entry_id=delivery.entry_id.decode(),
             deliveries=delivery.count,
-            resumed_tokens=len(history.token_ids),
+            resumed_tokens=history.num_tokens,
         )
         return Add(
             jid,

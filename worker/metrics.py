@@ -203,7 +203,8 @@ class WorkerMetrics:
         """Account one finished request; `skipped_tokens` were generated (and counted) by
         an earlier run of the same job."""
         reason = out.finish_reason or "unknown"
-        generated = max(0, out.completion_tokens - skipped_tokens)
+        completion = sum(o.completion_tokens for o in out.outputs or [out])  # all n outputs
+        generated = max(0, completion - skipped_tokens)
         self.request_success_total[reason] += 1
         self.prompt_tokens_total += out.prompt_tokens
         self.generation_tokens_total += generated

@@ -40,13 +40,22 @@ def to_wire(outputs: list[Any]) -> list[Any]:
     ]
 
 
-def _delta_fields(d: RequestDelta) -> tuple[Any, ...]:
+def _delta_fields(d: RequestDelta, inner: bool = False) -> tuple[Any, ...]:
+    """``inner``: an output's last delta inside its request's last (which is among them:
+    its own outputs are not sent again)."""
     metrics = d.metrics if d.finished else None
-    return (
+    fields = (
         d.request_id, d.new_token_ids, d.new_text, d.finished, d.finish_reason,
         d.prompt_tokens, d.completion_tokens, metrics, d.logprobs, d.text, d.token_ids,
         d.error, d.error_code,
     )  # fmt: skip
+    if d.index or d.outputs is not None or d.prompt_logprobs is not None:
+        # n outputs, scoring: the rest, the outputs' last deltas as tuples themselves
+        outputs = None
+        if d.outputs is not None and not inner:
+            outputs = [_delta_fields(o, inner=True) for o in d.outputs]
+        fields += (d.index, outputs, d.prompt_logprobs, d.prompt_token_ids, d.prompt_text)
+    return fields
 
 
 # A running request's delta in the queue process: its metrics stay in the engine's process.
@@ -55,6 +64,8 @@ NOT_SENT = RequestMetrics(arrival=0.0)
 
 def from_wire(fields: tuple[Any, ...]) -> RequestDelta:
     delta = RequestDelta(*fields)
+    if delta.outputs is not None:
+        delta.outputs = [from_wire(o) for o in delta.outputs]
     if delta.metrics is None:
         delta.metrics = NOT_SENT
     return delta

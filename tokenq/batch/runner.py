@@ -47,19 +47,20 @@ from tokenq.producer.client import Client, Job, make_request
 from tokenq.producer.errors import QueueFull, UnknownModel
 from tokenq.protocol import (
     BATCH,
-    RESTART,
     TERMINAL_EVENTS,
     DoneEvent,
     ErrorEvent,
     Event,
     JobRequest,
     ProtocolError,
+    RestartEvent,
     TokenEvent,
     lane_of,
 )
 from tokenq.server.openai_api import (
     BadRequest,
-    Logprobs,
+    ChoiceLogprobs,
+    Rendering,
     job_error,
     rendering,
     response_body,
@@ -373,7 +374,7 @@ class _Pending:
     job_id: str
     model: str | None
     request: JobRequest
-    logprobs: int | None  # top-n per token the answer shows, None: no logprobs
+    form: Rendering  # how the answer shows (logprobs, echo)
 
 
 class BatchRun:
@@ -503,7 +504,7 @@ class BatchRun:
         job_id = job_id_for(self.batch_id, item.custom_id)
         try:
             kwargs = to_submit_kwargs(item.kind, item.body, self.client.config.limits)
-            logprobs = rendering(item.kind, item.body).logprobs
+            form = rendering(item.kind, item.body)
         except BadRequest as exc:
             self._answer(failure_record(item.custom_id, job_id, exc), error=True)
             return None
@@ -517,7 +518,7 @@ class BatchRun:
             self.adjust(kwargs)
         metadata = {**kwargs.pop("metadata", {}), "line": item.line}
         request = make_request(job_id=job_id, metadata=metadata, **kwargs)
-        return _Pending(item, job_id, kwargs.get("model"), request, logprobs)
+        return _Pending(item, job_id, kwargs.get("model"), request, form)
 
     def _submit(self, batch: list[_Pending]) -> None:
         """Queue a chunk in one script call; on a refusal, one at a time to find the lines
@@ -612,18 +613,18 @@ class BatchRun:
         duplicate custom_id inside the chunk) are all answered from its one reply."""
         by_job: dict[str, list[_Pending]] = {}
         jobs: dict[str, Job] = {}
-        logprobs: dict[str, Logprobs] = {}
+        logprobs: dict[str, ChoiceLogprobs] = {}
         for pending, job in live:
             by_job.setdefault(job.id, []).append(pending)
             jobs[job.id] = job
-            if pending.logprobs is not None:
-                logprobs[job.id] = Logprobs()
+            if pending.form.logprobs is not None:
+                logprobs[job.id] = ChoiceLogprobs()
         for job, event in self.client.stream_many(jobs.values()):
             if job.id in logprobs:
                 if isinstance(event, TokenEvent):
                     logprobs[job.id].add(event)
-                elif event.type == RESTART:
-                    logprobs[job.id] = Logprobs()
+                elif isinstance(event, RestartEvent):
+                    logprobs[job.id].restart(event)
             if event.type not in TERMINAL_EVENTS:
                 continue
             with self.lock:
@@ -632,7 +633,7 @@ class BatchRun:
                 self._finish(pending, event, logprobs.get(job.id))
                 self.permits.release()
 
-    def _finish(self, pending: _Pending, event: Event, logprobs: Logprobs | None) -> None:
+    def _finish(self, pending: _Pending, event: Event, logprobs: ChoiceLogprobs | None) -> None:
         item = pending.item
         if self.meter is not None:
             used = event.usage.total_tokens if isinstance(event, DoneEvent) else 0
@@ -652,8 +653,9 @@ class BatchRun:
         assert isinstance(event, DoneEvent)
         model = pending.model or self._served_model()
         created = int(time.time())
-        top = pending.logprobs or 0
-        body = response_body(item.kind, pending.job_id, model, event, created, logprobs, top)
+        body = response_body(
+            item.kind, pending.job_id, model, event, created, logprobs, pending.form
+        )
         record = {
             "id": request_record_id(pending.job_id),
             "custom_id": item.custom_id,

@@ -17,6 +17,7 @@ TARGETS = {
     "structured": "W1 with every request JSON-Schema constrained against it unconstrained",
     "webhooks": "the webhook dispatcher against plain HTTP posts, and its added latency",
     "cluster": "one shard's cost on a local Redis Cluster (sizing); a primary killed (failover)",
+    "samples": "one job of n outputs against n separate jobs of the same prompt",
 }
 
 

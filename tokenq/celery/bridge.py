@@ -123,8 +123,10 @@ def _text_of(value: Any) -> str:
 
 
 def result_of(done: DoneEvent) -> dict[str, Any]:
-    """A task's return value: the `done` event as JSON (any Celery serializer takes it)."""
-    return {
+    """A task's return value: the `done` event as JSON (any Celery serializer takes it);
+    a job of n outputs adds ``outputs``, each with its index, text, ids and finish reason
+    (``text`` and the rest are output 0's)."""
+    result = {
         "text": done.text,
         "finish_reason": done.finish_reason,
         "token_ids": done.token_ids,
@@ -132,18 +134,30 @@ def result_of(done: DoneEvent) -> dict[str, Any]:
         "timings": asdict(done.timings),
         "metadata": done.metadata,
     }
+    if done.outputs is not None:
+        result["outputs"] = [
+            {"index": o.index, "text": o.text, "token_ids": o.token_ids}
+            | {"finish_reason": o.finish_reason}
+            for o in done.outputs
+        ]
+    return result
 
 
 def progress_of(event: TokenEvent | RestartEvent) -> dict[str, Any]:
-    """A ``PROGRESS`` state's meta: the new text and token ids at `index`. ``restart``: drop
-    what came before, the tokens start again at 0 (tokenq's `restart` event, or the task
-    redelivered: its progress is sent again from the start)."""
+    """A ``PROGRESS`` state's meta: the new text and token ids at `index` (of output
+    ``output``, when a job has n). ``restart``: drop what came before, the tokens start
+    again at 0 (tokenq's `restart` event, or the task redelivered: its progress is sent
+    again from the start)."""
     if isinstance(event, RestartEvent):
-        return {"index": 0, "token_ids": [], "text": "", "restart": True}
-    meta = {"index": event.index, "token_ids": event.token_ids, "text": event.text}
-    if event.logprobs is not None:
-        meta["logprobs"] = event.logprobs
-    return {**meta, "restart": False}
+        meta: dict[str, Any] = {"index": 0, "token_ids": [], "text": "", "restart": True}
+    else:
+        meta = {"index": event.index, "token_ids": event.token_ids, "text": event.text}
+        if event.logprobs is not None:
+            meta["logprobs"] = event.logprobs
+        meta["restart"] = False
+    if event.output:  # which of a job's n outputs (absent for the first)
+        meta["output"] = event.output
+    return meta
 
 
 def retry_countdown(backoff: float, retries: int) -> float:

@@ -316,6 +316,16 @@ class _Wire:
         return {"type": self.type, "data": pack(self.to_data())}
 
 
+def _pairs(logprobs: list[list[tuple[int, float]]]) -> list[list[list[Any]]]:
+    return [[list(pair) for pair in top] for top in logprobs]
+
+
+def _read_pairs(logprobs: Any) -> list[list[tuple[int, float]]] | None:
+    if logprobs is None:
+        return None
+    return [[(int(t), float(lp)) for t, lp in top] for top in logprobs]
+
+
 @dataclass
 class TokenEvent(_Wire):
     index: int  # position of token_ids[0] in the completion
@@ -323,25 +333,58 @@ class TokenEvent(_Wire):
     text: str
     logprobs: list[list[tuple[int, float]]] | None = None
     event_id: str = ""
+    output: int = 0  # which of the job's n outputs (sent only when not 0)
     type: str = field(default=TOKEN, init=False)
 
     def to_data(self) -> dict[str, Any]:
         data: dict[str, Any] = {"index": self.index, "token_ids": self.token_ids, "text": self.text}
         if self.logprobs is not None:
-            data["logprobs"] = [[list(pair) for pair in top] for top in self.logprobs]
+            data["logprobs"] = _pairs(self.logprobs)
+        if self.output:
+            data["output"] = self.output
         return data
 
     @classmethod
     def from_data(cls, data: dict[str, Any], event_id: str) -> TokenEvent:
-        logprobs = data.get("logprobs")
         return cls(
             index=data["index"],
             token_ids=list(data["token_ids"]),
             text=data["text"],
-            logprobs=None
-            if logprobs is None
-            else [[(int(t), float(lp)) for t, lp in top] for top in logprobs],
+            logprobs=_read_pairs(data.get("logprobs")),
             event_id=event_id,
+            output=int(data.get("output", 0)),
+        )
+
+
+@dataclass
+class OutputResult:
+    """One of a job's n outputs as its ``done`` event carries it (n > 1)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[list[tuple[int, float]]] | None = None
+
+    def to_data(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "index": self.index,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+        }
+        if self.logprobs is not None:
+            data["logprobs"] = _pairs(self.logprobs)
+        return data
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> OutputResult:
+        return cls(
+            int(data["index"]),
+            data["text"],
+            list(data["token_ids"]),
+            data["finish_reason"],
+            _read_pairs(data.get("logprobs")),
         )
 
 
@@ -354,10 +397,18 @@ class DoneEvent(_Wire):
     timings: Timings = field(default_factory=Timings)
     metadata: Any = None
     event_id: str = ""
+    # n > 1: every output, by index (``text``, ``finish_reason`` and ``token_ids`` above are
+    # output 0's); None for one output.
+    outputs: list[OutputResult] | None = None
+    # The prompt's tokens' log-probabilities (``prompt_logprobs``): None for the first
+    # token, then (id, logprob) pairs: that token's first, then the top-k alternatives'.
+    prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # the prompt's tokens, with prompt_logprobs
+    prompt_text: str | None = None  # the prompt's text, with prompt_logprobs
     type: str = field(default=DONE, init=False)
 
     def to_data(self) -> dict[str, Any]:
-        return {
+        data = {
             "text": self.text,
             "finish_reason": self.finish_reason,
             "token_ids": self.token_ids,
@@ -373,6 +424,16 @@ class DoneEvent(_Wire):
             },
             "metadata": self.metadata,
         }
+        if self.outputs is not None:
+            data["outputs"] = [o.to_data() for o in self.outputs]
+        if self.prompt_logprobs is not None:
+            data["prompt_logprobs"] = [
+                None if top is None else [list(pair) for pair in top]
+                for top in self.prompt_logprobs
+            ]
+            data["prompt_token_ids"] = self.prompt_token_ids
+            data["prompt_text"] = self.prompt_text
+        return data
 
     @classmethod
     def from_data(cls, data: dict[str, Any], event_id: str) -> DoneEvent:
@@ -388,6 +449,16 @@ class DoneEvent(_Wire):
             ),
             metadata=data.get("metadata"),
             event_id=event_id,
+            outputs=None
+            if data.get("outputs") is None
+            else [OutputResult.from_data(o) for o in data["outputs"]],
+            prompt_logprobs=None
+            if data.get("prompt_logprobs") is None
+            else [
+                None if top is None else _read_pairs([top])[0] for top in data["prompt_logprobs"]
+            ],
+            prompt_token_ids=data.get("prompt_token_ids"),
+            prompt_text=data.get("prompt_text"),
         )
 
 
@@ -414,14 +485,18 @@ class RestartEvent(_Wire):
 
     reason: str
     event_id: str = ""
+    output: int = 0  # the output whose tokens start again (n > 1; the others stand)
     type: str = field(default=RESTART, init=False)
 
     def to_data(self) -> dict[str, Any]:
-        return {"reason": self.reason}
+        data: dict[str, Any] = {"reason": self.reason}
+        if self.output:
+            data["output"] = self.output
+        return data
 
     @classmethod
     def from_data(cls, data: dict[str, Any], event_id: str) -> RestartEvent:
-        return cls(data.get("reason", ""), event_id=event_id)
+        return cls(data.get("reason", ""), event_id=event_id, output=int(data.get("output", 0)))
 
 
 Event = TokenEvent | DoneEvent | ErrorEvent | RestartEvent

@@ -29,6 +29,8 @@ class Limits:
     max_logit_bias: int = 1024  # entries
     max_metadata_bytes: int = 64 << 10  # metadata, packed
     max_structured_chars: int = 256 << 10  # structured_outputs, as JSON text
+    # Outputs of one job (``n``): each holds its own KV blocks and a share of every step.
+    max_n: int = 16
 
     def __post_init__(self) -> None:
         for name, value in dataclasses.asdict(self).items():

@@ -54,6 +54,11 @@ class SamplingParams:
     returns token ids only, the text left empty (as vLLM's): a caller that decodes them
     elsewhere spares the engine's thread that work. Stop strings need the text.
 
+    ``n`` outputs are sampled from one prompt, prefilled once (its KV blocks shared); with
+    a ``seed``, output i samples as a request of its own with ``seed + i`` would (vLLM's
+    rule), so one choice can be reproduced alone. ``prompt_logprobs=k`` returns, for every
+    prompt token but the first, its log-probability and the top-k alternatives (scoring).
+
     Every number must be finite (NaN and infinities are refused by name) and within:
 
     - ``temperature`` in [0, 100]; a value in (0, 0.01) is raised to 0.01, as vLLM does
@@ -62,7 +67,8 @@ class SamplingParams:
     - ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] (OpenAI's range);
       ``repetition_penalty`` in [0.01, 10].
     - ``seed`` a signed 64-bit integer; ``max_tokens`` >= 1; 0 <= ``min_tokens`` <=
-      ``max_tokens``; ``logprobs`` in [0, 20].
+      ``max_tokens``; ``logprobs`` and ``prompt_logprobs`` in [0, 20]; ``n`` >= 1 (the
+      client, gateway and worker bound it by ``Limits.max_n``).
     - ``logit_bias`` maps non-negative integer token ids (ints, or decimal strings as JSON
       object keys arrive) to biases in [-100, 100] (OpenAI's range).
 
@@ -89,6 +95,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     detokenize: bool = True
     structured_outputs: dict[str, Any] | None = None
@@ -113,8 +120,8 @@ class SamplingParams:
         def out_of(name: str, bounds: str) -> InvalidRequest:
             return _bad(name, f"must be {bounds}, got {_got(getattr(self, name))}")
 
-        if number("n", (int,)) != 1:
-            raise _bad("n", f"only n=1 is supported (submit one job per sample), got {self.n}")
+        if number("n", (int,)) < 1:
+            raise out_of("n", "at least 1")
         if not 0.0 <= number("temperature") <= 100.0:
             raise out_of("temperature", "in [0, 100]")
         if not 0.0 < number("top_p") <= 1.0:
@@ -137,8 +144,9 @@ class SamplingParams:
             raise out_of("min_tokens", ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= number("logprobs", (int,)) <= MAX_LOGPROBS:
-            raise out_of("logprobs", f"in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= number(name, (int,)) <= MAX_LOGPROBS:
+                raise out_of(name, f"in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.ignore_eos, bool):
             raise out_of("ignore_eos", "a boolean")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
@@ -155,6 +163,8 @@ class SamplingParams:
             _bias_token(key): _bias_value(key, value) for key, value in self.logit_bias.items()
         }
         if self.structured_outputs is not None:
+            if self.n > 1:  # one grammar matcher per job: its outputs would share it
+                raise _bad("n", "must be 1 with structured_outputs (submit n jobs instead)")
             self.structured_outputs = check_structured(self.structured_outputs)
 
     @property
@@ -207,6 +217,9 @@ def check_sizes(params: Any, limits: Limits = DEFAULT_LIMITS) -> None:
         stop = [stop]
     if any(isinstance(s, str) and len(s) > limits.max_stop_chars for s in stop):
         raise _bad("stop", f"a string longer than {limits.max_stop_chars} characters")
+    n = params.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > limits.max_n:
+        raise _bad("n", f"{n} outputs (limit {limits.max_n})")
     for name, bound in (
         ("stop_token_ids", limits.max_stop_token_ids),
         ("logit_bias", limits.max_logit_bias),

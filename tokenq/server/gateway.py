@@ -80,8 +80,10 @@ from tokenq.server.batch_api import BatchConfig, batch_router
 from tokenq.server.dashboard import dashboard_router
 from tokenq.server.openai_api import (
     BadRequest,
+    ChoiceLogprobs,
     Logprobs,
     Rendering,
+    choices_of,
     chunk_body,
     error_body,
     job_error,
@@ -606,13 +608,13 @@ async def _collect(
     headers: dict[str, str],
 ) -> Response:
     job = watch.job
-    logprobs = Logprobs() if form.logprobs is not None else None
+    logprobs = ChoiceLogprobs() if form.logprobs is not None else None
     while True:
         event = await _next(events, gone)
         if isinstance(event, TokenEvent) and logprobs is not None:
             logprobs.add(event)
         elif isinstance(event, RestartEvent) and logprobs is not None:
-            logprobs = Logprobs()
+            logprobs.restart(event)
         elif isinstance(event, DoneEvent | ErrorEvent):
             break
     watch.settle(_used(event))
@@ -621,7 +623,7 @@ async def _collect(
         return _error(failure, headers)
     assert isinstance(event, DoneEvent)
     _log_answer(watch.app, job.id, event)
-    body = response_body(kind, job.id, model, event, int(time.time()), logprobs, form.logprobs or 0)
+    body = response_body(kind, job.id, model, event, int(time.time()), logprobs, form)
     return JSONResponse(body, headers=headers)
 
 
@@ -654,9 +656,12 @@ async def _sse(
     sent_text = False
     try:
         if kind == "chat":
-            yield _sse_data(
-                chunk_body(kind, job.id, model, created, role=True, include_usage=usage)
-            )
+            for index in range(form.n):
+                yield _sse_data(
+                    chunk_body(
+                        kind, job.id, model, created, role=True, include_usage=usage, index=index
+                    )
+                )
         pending = [first] if first is not None else []
         while not ended:
             if pending:
@@ -684,7 +689,7 @@ async def _sse(
                     continue
                 chunk = chunk_body(
                     kind, job.id, model, created, text=event.text, logprobs=lp,
-                    top_logprobs=top, include_usage=usage,
+                    top_logprobs=top, include_usage=usage, index=event.output,
                 )  # fmt: skip
                 sent_text = sent_text or bool(event.text)
                 yield _sse_data(chunk, event.event_id)
@@ -704,11 +709,13 @@ async def _sse(
                     break
                 assert isinstance(event, DoneEvent)
                 _log_answer(watch.app, job.id, event)
-                reason = event.finish_reason
-                end = chunk_body(
-                    kind, job.id, model, created, finish_reason=reason, include_usage=usage
-                )
-                yield _sse_data(end, event.event_id)
+                for choice in choices_of(event):  # each choice's end, the last with its id
+                    end = chunk_body(
+                        kind, job.id, model, created, finish_reason=choice.finish_reason,
+                        include_usage=usage, index=choice.index,
+                    )  # fmt: skip
+                    last = choice.index == form.n - 1 or event.outputs is None
+                    yield _sse_data(end, event.event_id if last else None)
                 if usage:
                     yield _sse_data(usage_chunk(kind, job.id, model, created, event))
                 break

@@ -30,6 +30,7 @@ from tokenq.protocol import (
     DoneEvent,
     InvalidRequest,
     Limits,
+    RestartEvent,
     SamplingParams,
     TokenEvent,
     are_token_ids,
@@ -127,6 +128,10 @@ class Rendering:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     logprobs: int | None = None  # top-n per token to return (0: the chosen token's only)
+    n: int = 1  # choices
+    echo: bool = False  # completions: the prompt before each choice's text
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt scored, nothing generated
+    prompt: str = ""  # what echo puts before each choice's text
 
 
 # --- requests ------------------------------------------------------------------------
@@ -195,10 +200,17 @@ def _sampling(kind: str, body: dict[str, Any], limits: Limits) -> dict[str, Any]
     logprobs = rendering(kind, body).logprobs
     if logprobs is not None:
         params["logprobs"] = logprobs
-    n = {} if body.get("n") is None else {"n": body["n"]}  # checked, never sent: 1 only
+    n = body.get("n")
+    if n is not None and not (_is_int(n) and n == 1):
+        params["n"] = n  # SamplingParams refuses what is not a count
+    form = rendering(kind, body)
+    if form.echo and logprobs is not None:
+        params["prompt_logprobs"] = logprobs  # the prompt's tokens scored, as OpenAI's echo
+    if form.prompt_only:
+        params["max_tokens"] = 1  # one token is generated (and left out of the answer)
     try:
         check_sizes(params, limits)
-        SamplingParams.from_dict({**params, **n})
+        SamplingParams.from_dict(params)
     except InvalidRequest as exc:
         asked = {
             "max_tokens": next(iter(given), "max_tokens"),
@@ -358,7 +370,21 @@ def rendering(kind: str, body: dict[str, Any]) -> Rendering:
         logprobs = (0 if top is None else top) if wanted else None
     else:
         logprobs = body.get("logprobs")
-    return Rendering(bool(stream), include_usage, logprobs)
+    n = body.get("n")
+    echo = kind == COMPLETIONS and body.get("echo") is True
+    prompt_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    prompt = body.get("prompt") if echo else ""
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return Rendering(
+        bool(stream),
+        include_usage,
+        logprobs,
+        n if _is_int(n) else 1,
+        echo,
+        prompt_only,
+        prompt if isinstance(prompt, str) else "",
+    )
 
 
 def to_submit_kwargs(kind: str, body: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
@@ -366,7 +392,7 @@ def to_submit_kwargs(kind: str, body: Any, limits: Limits = DEFAULT_LIMITS) -> d
     body (`kind`: "completions" or "chat"); raises BadRequest naming the field at fault.
 
     Unknown fields are refused rather than ignored, so that a client relying on a feature
-    tokenq lacks (tools, n > 1, echo) hears so instead of getting something else."""
+    tokenq lacks (tools, best_of, suffix) hears so instead of getting something else."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not isinstance(body, dict):
@@ -380,7 +406,16 @@ def to_submit_kwargs(kind: str, body: Any, limits: Limits = DEFAULT_LIMITS) -> d
         raise BadRequest("model must be a string", "model")
     if kind == COMPLETIONS:
         _only(body, "best_of", (1,), "one completion per request")
-        _only(body, "echo", (False,), "the prompt is not echoed")
+        _only(body, "echo", (False, True), "echo is a boolean")
+        if body.get("max_tokens") == 0 and body.get("echo") is not True:
+            raise BadRequest("max_tokens: 0 only with echo=true (scoring the prompt)", "max_tokens")
+        if (
+            body.get("echo")
+            and "prompt" not in _prompt(body, limits)
+            and body.get("logprobs") is None
+        ):
+            # the gateway has no tokenizer: a scored prompt's text comes from the worker
+            raise BadRequest("echo of a token-id prompt needs logprobs", "echo")
         _only(body, "suffix", ("",), "no insertion")
         kwargs: dict[str, Any] = _prompt(body, limits)
     else:
@@ -436,8 +471,10 @@ class Logprobs:
             self.tokens.extend(event.token_ids)
             self.top.extend(event.logprobs)
 
-    def render(self, kind: str, n: int) -> dict[str, Any]:
-        """OpenAI's logprobs object: the chosen token's logprob and at most n alternatives."""
+    def render(self, kind: str, n: int, prompt: DoneEvent | None = None) -> dict[str, Any]:
+        """OpenAI's logprobs object: the chosen token's logprob and at most n alternatives.
+        With ``prompt`` (a done event holding prompt_logprobs: completions' echo), the
+        prompt's tokens come first, the first of them with no logprob (as OpenAI's)."""
         # The chosen token is always among the pairs (docs/protocol.md, token events).
         chosen = [dict(pairs)[tok] for tok, pairs in zip(self.tokens, self.top, strict=True)]
         if kind == CHAT:
@@ -456,22 +493,73 @@ class Logprobs:
                 ],
                 "refusal": None,
             }
+        tokens = [token_name(t) for t in self.tokens]
+        top = [{token_name(t): v for t, v in pairs[: max(n, 1)]} for pairs in self.top]
+        if prompt is not None and prompt.prompt_logprobs is not None:
+            ids = prompt.prompt_token_ids or []
+            scored = prompt.prompt_logprobs
+            tokens = [token_name(t) for t in ids] + tokens
+            # each position's pairs: the prompt's own token first, then the top-k
+            chosen = [None if p is None else p[0][1] for p in scored] + chosen
+            top = [
+                None if p is None else {token_name(t): v for t, v in [p[0], *p[1:][:n]]}
+                for p in scored
+            ] + top  # type: ignore[operator]
         return {
-            "tokens": [token_name(t) for t in self.tokens],
+            "tokens": tokens,
             "token_logprobs": chosen,
-            "top_logprobs": [
-                {token_name(t): v for t, v in pairs[: max(n, 1)]} for pairs in self.top
-            ],
+            "top_logprobs": top,
             "text_offset": None,
         }
 
 
-def usage_body(result: DoneEvent) -> dict[str, int]:
+@dataclass
+class ChoiceLogprobs:
+    """Each choice's logprobs as its token events bring them (a restart voids its own)."""
+
+    by_choice: dict[int, Logprobs] = field(default_factory=dict)
+
+    def add(self, event: TokenEvent) -> None:
+        self.by_choice.setdefault(event.output, Logprobs()).add(event)
+
+    def restart(self, event: RestartEvent) -> None:
+        self.by_choice[event.output] = Logprobs()
+
+    def get(self, index: int) -> Logprobs:
+        return self.by_choice.get(index) or Logprobs()
+
+
+def echoed_text(form: Rendering, result: DoneEvent) -> str:
+    """What echo puts first: the prompt's text as given, or as the worker decoded a
+    token-id prompt it scored."""
+    return form.prompt or result.prompt_text or ""
+
+
+def usage_body(result: DoneEvent, prompt_only: bool = False) -> dict[str, int]:
+    """The job's usage: completion tokens summed over its choices (none when only the
+    prompt was scored: the token generated for it is not answered)."""
+    completion = 0 if prompt_only else result.usage.completion_tokens
     return {
         "prompt_tokens": result.usage.prompt_tokens,
-        "completion_tokens": result.usage.completion_tokens,
-        "total_tokens": result.usage.total_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.usage.prompt_tokens + completion,
     }
+
+
+@dataclass
+class Choice:
+    """One choice of an answer: its index, text, finish reason and logprobs."""
+
+    index: int
+    text: str
+    finish_reason: str
+
+
+def choices_of(result: DoneEvent) -> list[Choice]:
+    """A done event's outputs as choices (one for a job of one output)."""
+    if result.outputs is None:
+        return [Choice(0, result.text, result.finish_reason)]
+    return [Choice(o.index, o.text, o.finish_reason) for o in result.outputs]
 
 
 def response_body(
@@ -480,34 +568,42 @@ def response_body(
     model: str,
     result: DoneEvent,
     created: int,
-    logprobs: Logprobs | None = None,
-    top_logprobs: int = 0,
+    logprobs: ChoiceLogprobs | None = None,
+    form: Rendering = Rendering(),
 ) -> dict[str, Any]:
-    """The non-streaming answer: `text_completion` or `chat.completion`, one choice."""
-    rendered = None if logprobs is None else logprobs.render(kind, top_logprobs)
-    if kind == CHAT:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": rendered,
-            "finish_reason": result.finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {
-            "index": 0,
-            "text": result.text,
-            "logprobs": rendered,
-            "finish_reason": result.finish_reason,
-        }
-        obj = "text_completion"
+    """The non-streaming answer: `text_completion` or `chat.completion`, a choice per
+    output; with echo, each completion's text starts with the prompt."""
+    top_logprobs = form.logprobs or 0
+    choices = []
+    for c in choices_of(result):
+        lp = None if logprobs is None else logprobs.get(c.index)
+        if lp is not None and form.prompt_only:
+            lp = Logprobs()
+        echoed = result if form.echo else None
+        rendered = None if lp is None else lp.render(kind, top_logprobs, echoed)
+        if kind == CHAT:
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": rendered,
+                "finish_reason": c.finish_reason,
+            }
+        else:
+            text = "" if form.prompt_only else c.text
+            choice = {
+                "index": c.index,
+                "text": echoed_text(form, result) + text if form.echo else text,
+                "logprobs": rendered,
+                "finish_reason": "length" if form.prompt_only else c.finish_reason,
+            }
+        choices.append(choice)
     return {
         "id": response_id(kind, job_id),
-        "object": obj,
+        "object": "chat.completion" if kind == CHAT else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": usage_body(result),
+        "choices": choices,
+        "usage": usage_body(result, form.prompt_only),
     }
 
 
@@ -523,6 +619,7 @@ def chunk_body(
     logprobs: Logprobs | None = None,
     top_logprobs: int = 0,
     include_usage: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
     """One streamed chunk: `text_completion` or `chat.completion.chunk`. `role` makes a
     chat's first chunk (the assistant role, empty content); with `include_usage` every
@@ -535,7 +632,7 @@ def chunk_body(
         elif text is not None:
             delta = {"content": text}
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "delta": delta,
             "logprobs": rendered,
             "finish_reason": finish_reason,
@@ -543,7 +640,7 @@ def chunk_body(
         obj = "chat.completion.chunk"
     else:
         choice = {
-            "index": 0,
+            "index": index,
             "text": text or "",
             "logprobs": rendered,
             "finish_reason": finish_reason,

@@ -50,7 +50,8 @@ def estimate_tokens(kwargs: dict[str, Any], context: int | None) -> int:
         prompt = math.ceil(chars / CHARS_PER_TOKEN) + MESSAGE_TOKENS * len(messages)
     asked = kwargs.get("max_tokens", DEFAULT_MAX_TOKENS)
     completion = asked if asked is not None else (context or 0)
-    return prompt + completion
+    n = kwargs.get("n", 1)  # each of a job's n outputs may run to max_tokens
+    return prompt + completion * (n if isinstance(n, int) and n > 0 else 1)
 
 
 def estimate_request(req: JobRequest) -> int:
