@@ -339,13 +339,13 @@ def _submit_args(
     return args
 
 
-def _hook_streams(keys: Keys, reqs: list[JobRequest]) -> list[str]:
+def _hook_streams(keys: Keys, reqs: list[JobRequest], models: list[str]) -> list[str]:
     """The webhook event streams the routed jobs' webhooks will use: listed for dispatchers
     before the jobs are queued (SADD, one key of its own: no script spans it)."""
     return sorted(
         {
-            keys.hooks(keys.queue(r.model, r.priority, r.tenant or NO_TENANT))  # type: ignore[arg-type]
-            for r in reqs
+            keys.hooks(keys.queue(model, r.priority, r.tenant or NO_TENANT))
+            for r, model in zip(reqs, models, strict=True)
             if r.webhook is not None or r.webhook_endpoints is not None
         }
     )
@@ -1131,7 +1131,7 @@ class Client:
         return [Job(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]  # type: ignore[arg-type]
 
     def _submit_to(self, shard: _Shard, reqs: list[JobRequest], models: list[str]) -> Any:
-        hooks = _hook_streams(shard.keys, reqs)
+        hooks = _hook_streams(shard.keys, reqs, models)
         if hooks:
             self._retrying(lambda: self.redis.sadd(self.keys.hook_streams, *hooks))
         args = _submit_args(self.config, reqs, models, shard.keys.prefix, len(self._shards))
@@ -1351,8 +1351,9 @@ class AsyncClient:
             return []
         if self._routing.needs_registry(reqs, queue_anyway):
             await self.models()
-        args = _submit_args(self.config, reqs, self._routing.resolve(reqs, queue_anyway))
-        hooks = _hook_streams(self.keys, reqs)
+        models = self._routing.resolve(reqs, queue_anyway)
+        args = _submit_args(self.config, reqs, models)
+        hooks = _hook_streams(self.keys, reqs, models)
         if hooks:
             await self._retrying(lambda: self.redis.sadd(self.keys.hook_streams, *hooks))
         if self.config.durable_submit:

@@ -135,7 +135,8 @@ class InFlightTable:
     def hook_stream(self, delivery: Taken) -> str | None:
         """The webhook event stream of the queue an entry came from (None: protocol 1's)."""
         stream = delivery.stream.decode()
-        return None if self.keys.parse_queue(stream) is None else self.keys.hooks(stream)
+        keys = self.layout.of_key(delivery.stream)  # the entry's shard
+        return None if keys.parse_queue(stream) is None else keys.hooks(stream)
 
     def job_hooks(self, delivery: Taken, job: JobRequest) -> JobHooks | None:
         stream = self.hook_stream(delivery)

@@ -126,10 +126,10 @@ class Keys:
         """The webhook event stream of a queue: the queue's key with its `jobs` part named
         `hooks`, so that it keeps any shard tag the queue's key carries and a script that
         ends a job writes the job's event beside its queue. Consumer group `dispatchers`."""
-        prefix = f"{self.namespace}:jobs:"
+        prefix = f"{self.prefix}:jobs:"
         if not queue.startswith(prefix):
             raise ValueError(f"not a queue of namespace {self.namespace}: {queue!r}")
-        return f"{self.namespace}:hooks:{queue[len(prefix) :]}"
+        return f"{self.prefix}:hooks:{queue[len(prefix) :]}"
 
     @property
     def batch_hooks(self) -> str:
