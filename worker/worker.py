@@ -177,7 +177,10 @@ class Worker:
             need = ".".join(map(str, MIN_REDIS))
             message = f"Redis {version} is too old: tokenq needs Redis {need} or newer"
         elif info.get("cluster_enabled") and self.cluster is None:
-            message = "a Redis Cluster node given as one server: connect with tokenq's connect()"
+            message = (
+                "a Redis Cluster node not usable as a cluster: give a node of a cluster "
+                "whose slots are all served (redis+cluster:// forces cluster mode)"
+            )
         if message is not None:
             self.log.error("worker not started", error=message)
             raise UnsupportedRedis(message)
