@@ -282,6 +282,8 @@ def test_deadline_is_enforced_during_generation(
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     worker = Worker(make_engine(tiny_model), client.redis, fast_config(redis_namespace))
     with WorkerThread(worker):
+        # once the worker takes jobs: the deadline must fall during generation, not before
+        client.submit("warm", max_tokens=1, **GREEDY).result(timeout=30)
         job = client.submit("long", max_tokens=1900, deadline=time.time() + 0.5, **GREEDY)
         reply = check_reply(list(job.stream(timeout=30)))
     assert reply.done.finish_reason == "deadline"
