@@ -19,21 +19,18 @@ from tokenq.protocol.webhooks import check_owner, check_webhook
 
 PROTOCOL_VERSION = 2  # 2: queues per model, priority and tenant (1: one job stream)
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
-PAYLOAD_FIELDS = frozenset(
-    {
-        *PROMPT_FIELDS,
-        "params",
-        "priority",
-        "deadline",
-        "model",
-        "tenant",
-        "metadata",
-        "submitted_at",
-        "webhook",
-        "webhook_events_filter",
-        "webhook_endpoints",
-    }
+# Fields written only when given (the payload leaves absent ones out).
+OPTIONAL_FIELDS = (
+    "deadline",
+    "model",
+    "tenant",
+    "metadata",
+    "submitted_at",
+    "webhook",
+    "webhook_events_filter",
+    "webhook_endpoints",
 )
+PAYLOAD_FIELDS = frozenset({*PROMPT_FIELDS, "params", "priority", *OPTIONAL_FIELDS})
 
 # Reply event types.
 TOKEN, DONE, ERROR, RESTART = "token", "done", "error", "restart"
@@ -201,16 +198,7 @@ class JobRequest:
             out["params"] = self.params
         if self.priority:
             out["priority"] = self.priority
-        for name in (
-            "deadline",
-            "model",
-            "tenant",
-            "metadata",
-            "submitted_at",
-            "webhook",
-            "webhook_events_filter",
-            "webhook_endpoints",
-        ):
+        for name in OPTIONAL_FIELDS:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
