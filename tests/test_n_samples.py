@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -327,6 +328,29 @@ def test_chat_streams_each_choice_by_index(gateway: str) -> None:
     assert [c.index for c in whole.choices] == [0, 1]
     assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
     assert whole.usage.completion_tokens == 2 * 4  # summed over the choices
+
+
+def test_n_choices_each_follow_the_response_format(gateway: str) -> None:
+    sdk = openai.OpenAI(base_url=gateway, api_key="none")
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    whole = sdk.chat.completions.create(
+        model=TEST_MODEL,
+        messages=[{"role": "user", "content": "Name a city. Answer in JSON."}],
+        n=2,
+        temperature=0.9,
+        seed=11,
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt_as_transformers_does(

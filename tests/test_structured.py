@@ -158,6 +158,28 @@ def test_every_output_validates_greedy_and_sampled_through_preemption(llm: LLM) 
     assert llm.engine.grammars.stats.compile_cached  # the sampled repeats reused grammars
 
 
+def test_each_of_n_outputs_follows_the_grammar_alone_as_its_own_seeded_job(llm: LLM) -> None:
+    """n = 3 sampled outputs of one prompt, each with its own matcher: every one validates,
+    and output i equals a job of its own with seed + i (sharing one matcher, the outputs
+    would feed it each other's tokens and be refused)."""
+    schema = SCHEMAS[0]
+    spec = {"json": schema}
+
+    def params(n: int, seed: int) -> SamplingParams:
+        return SamplingParams(
+            n=n, temperature=0.9, seed=seed, max_tokens=60, structured_outputs=spec
+        )
+
+    prompt = chat(PROMPTS[0])
+    group, *alone = llm.chat([prompt] * 4, [params(3, 40), *(params(1, 40 + i) for i in range(3))])
+    texts = [o.text for o in group.outputs]
+    for i, output in enumerate(group.outputs):
+        assert output.finish_reason == "stop", output.text
+        jsonschema.validate(json.loads(output.text), schema)
+        assert output.token_ids == alone[i].outputs[0].token_ids
+    assert len(set(texts)) > 1, texts  # sampled apart
+
+
 def test_a_grammar_compiling_too_long_ends_its_job_alone(llm: LLM) -> None:
     engine = llm.engine
     timeout = engine.config.grammar_compile_timeout
@@ -165,7 +187,8 @@ def test_a_grammar_compiling_too_long_ends_its_job_alone(llm: LLM) -> None:
     busy = threading.Event()  # holds the compile thread: the grammar compiles past its limit
     engine.grammars._pool.submit(busy.wait)
     try:
-        slow = SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-f]{40}[0-9]"})
+        # n = 2: the refusal ends both outputs, with one error
+        slow = SamplingParams(n=2, max_tokens=4, structured_outputs={"regex": "[a-f]{40}[0-9]"})
         engine.add_request("slow", "Hi", params=slow)
         engine.add_request("mate", "Hi", params=SamplingParams(temperature=0, max_tokens=3))
         done = {}
@@ -177,6 +200,7 @@ def test_a_grammar_compiling_too_long_ends_its_job_alone(llm: LLM) -> None:
     assert done["slow"].finish_reason == "error"
     assert done["slow"].error_code == "invalid_params"
     assert "to compile" in (done["slow"].error or "")
+    assert [o.finish_reason for o in done["slow"].outputs or []] == ["error", "cancelled"]
     assert done["mate"].finish_reason == "length" and done["mate"].completion_tokens == 3
 
 
