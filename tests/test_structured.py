@@ -34,7 +34,14 @@ from tokenq.engine.outputs import RequestDelta
 from tokenq.engine.sequence import RequestMetrics
 from tokenq.engine.structured import GrammarCompiler
 from tokenq.producer.client import Client
-from tokenq.protocol import InvalidRequest, JobRequest, SamplingParams, TokenEvent, decode_event
+from tokenq.protocol import (
+    DoneEvent,
+    InvalidRequest,
+    JobRequest,
+    SamplingParams,
+    TokenEvent,
+    decode_event,
+)
 from tokenq.worker import pipe
 from tokenq.worker.worker import Worker
 
@@ -301,6 +308,49 @@ def test_a_dead_workers_structured_job_resumes_elsewhere_and_still_validates(
     compiles = {"model": "tiny", "cache": "cold"}
     assert scrape("tokenq:structured_compile_seconds_count", compiles) == 1
     assert scrape("tokenq:structured_rejections_total", {"model": "tiny", "reason": "timeout"}) == 0
+    client.close()
+
+
+@pytest.mark.usefixtures("single_torch_thread")
+def test_a_dead_workers_structured_job_of_n_resumes_every_output_and_each_validates(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    """Each output's fresh matcher on the rescuer follows that output's own tokens: the
+    seeded re-run reproduces what every output published, streams only the rest, and every
+    output validates."""
+    schema = obj({"answers": {"type": "array", "items": {"enum": ["yes", "no"]}, "minItems": 4}})
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    spec = {"json": schema}
+    job = client.submit(
+        "Vote.", n=2, temperature=0.9, seed=5, max_tokens=60, structured_outputs=spec
+    )
+    config = fast_config(redis_namespace, claim_idle_ms=500, claim_interval_s=0.2)
+    dead = Worker(make_engine(tiny_model), client.redis, replace(config, consumer="dead"))
+    dead.register()
+
+    def published() -> list[int]:
+        counts = [0, 0]
+        for e in reply_events(client, job.id):
+            if isinstance(e, TokenEvent):
+                counts[e.output] += len(e.token_ids)
+        return counts
+
+    while min(published()) < 3:
+        dead.run_once()
+    before = published()
+    assert job.status() == "running"  # the dead worker left it mid-generation
+    rescuer = Worker(make_engine(tiny_model), client.redis, replace(config, consumer="rescuer"))
+    with WorkerThread(rescuer):
+        wait_for(lambda: job.status() == "done", timeout=60)
+    events = reply_events(client, job.id)
+    assert not any(e.type == "restart" for e in events)
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.outputs is not None and len(done.outputs) == 2
+    for output, seen in zip(done.outputs, before, strict=True):
+        assert output.finish_reason == "stop" and len(output.token_ids) > seen
+        jsonschema.validate(json.loads(output.text), schema)
     client.close()
 
 
