@@ -15,8 +15,8 @@
 --   and only those above the stream's top are written, so a re-sent call adds nothing.
 --   Status "running" marks the job started; "done"/"error" ends it and acknowledges the
 --   entry (XACK, XDEL, and its lane's backlog counter, less the entry's weight, never
---   below 0) with the final event. Outcome ok,
---   or lost when another worker took the job over.
+--   below 0) with the final event. Outcome ok, or lost when another worker took the job
+--   over.
 -- "check": as "run", on a Redis Cluster, where a failover can lose what a primary had not
 --   yet replicated: the stream must hold every event below `first`, else nothing is written
 --   and the outcome is r (run again: the worker hands the entry back, and a re-run
