@@ -169,7 +169,7 @@ class LLMEngine:
                 seq.group = group
         seq = seqs[0]
         self.requests[request_id] = seq
-        if params.structured_outputs is not None:  # n is 1: SamplingParams refuses more
+        if params.structured_outputs is not None:  # one grammar for all n outputs
             future = self.grammars.submit(params.structured_outputs)
             self._compiling[request_id] = (seq, future, time.monotonic())
             self.counters["structured_requests"] += 1
@@ -302,22 +302,37 @@ class LLMEngine:
                 if now - since > self.config.grammar_compile_timeout:
                     limit = self.config.grammar_compile_timeout
                     why = f"structured_outputs took more than {limit:g} s to compile"
-                    outputs.append(self._refuse(seq, CompileTimeout("invalid_params", why)))
+                    outputs += self._refuse(seq, CompileTimeout("invalid_params", why))
                 continue
             del self._compiling[rid]
             error = future.exception()
             if error is not None:
-                outputs.append(self._refuse(seq, error))
+                outputs += self._refuse(seq, error)
                 continue
-            seq.grammar = future.result()
-            if seq.output_token_ids and not seq.grammar.consume_tokens(seq.output_token_ids):
-                outputs.append(self._refuse(seq, ValueError(seq.grammar.get_error())))
+            refused = self._give_matchers(seq, future.result())
+            if refused is not None:
+                outputs += self._refuse(seq, refused)
                 continue
             self.scheduler.add(seq)
         return outputs
 
-    def _refuse(self, seq: Sequence, exc: BaseException) -> RequestDelta:
-        """End a request whose grammar could not be built, before it ran."""
+    @staticmethod
+    def _give_matchers(seq: Sequence, matcher: Any) -> ValueError | None:
+        """Each output of ``seq``'s request its own matcher (copies of the fresh one: the n
+        outputs sample apart, so each follows the grammar alone), which consumes the
+        tokens that output already holds; the error if the grammar refuses them."""
+        members = [seq] if seq.group is None else seq.group.seqs
+        for i, member in enumerate(members):
+            member.grammar = matcher.deep_copy() if i < len(members) - 1 else matcher
+        for member in members:
+            held = member.output_token_ids
+            if held and not member.grammar.consume_tokens(held):
+                return ValueError(member.grammar.get_error())
+        return None
+
+    def _refuse(self, seq: Sequence, exc: BaseException) -> list[RequestDelta]:
+        """End a request whose grammar could not be built, before it ran: its other
+        outputs first (cancelled), then ``seq`` with the error, whose delta ends it."""
         self._compiling.pop(seq.request_id, None)
         if isinstance(exc, InvalidRequest):
             seq.error, seq.error_code = exc.message, exc.code
@@ -325,7 +340,9 @@ class LLMEngine:
             seq.error, seq.error_code = describe(exc), "invalid_params"
         reason = "timeout" if isinstance(exc, CompileTimeout) else "compile"
         self.counters[f"structured_refused_{reason}"] += 1
-        return self._finish(seq, "error", RequestState.CANCELLED, flush=False)
+        others = [] if seq.group is None else [s for s in seq.group.seqs if s is not seq]
+        ended = [self._finish(s, "cancelled", RequestState.CANCELLED) for s in others]
+        return [*ended, self._finish(seq, "error", RequestState.CANCELLED, flush=False)]
 
     def _join(self) -> list[ScheduledSeq]:
         """Between two layers of the step in flight: waiting requests that join it."""

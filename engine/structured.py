@@ -1,6 +1,7 @@
 """Structured outputs inside the engine: grammars compiled off the engine's thread and
-cached, one llguidance matcher per constrained request, and the token masks of a step
-filled on a thread while its forward pass runs (llguidance releases the GIL)."""
+cached, one llguidance matcher per constrained output (n for a request of n), and the token
+masks of a step filled on a thread while its forward pass runs (llguidance releases the
+GIL)."""
 
 from __future__ import annotations
 

@@ -76,8 +76,9 @@ from tokenq.protocol.connection import (
 from tokenq.protocol.keys import Layout
 from tokenq.protocol.scripts import source
 
-# Jobs a model's lane may hold (waiting or running) before QueueFull. Interactive work is
-# refused early (its users would rather hear "busy" than wait); batch backlogs are large.
+# Outputs a model's lane may hold (waiting or running) before QueueFull: a job counts its n
+# outputs, so one job of n weighs as n jobs of one. Interactive work is refused early (its
+# users would rather hear "busy" than wait); batch backlogs are large.
 DEFAULT_MAX_BACKLOG = {"interactive": 1_000, "default": 10_000, "batch": 1_000_000}
 DEFAULT_JOB_TTL = 24 * 3600  # how long a job id stays taken (the idempotency window)
 READ_COUNT = 512
@@ -102,7 +103,8 @@ class ClientConfig:
     namespace: str = DEFAULT_NAMESPACE
     # The model of jobs that name none (else the one model the live workers serve).
     model: str | None = None
-    # Per lane (interactive, default, batch), or one number for every lane.
+    # Outputs of jobs waiting or running a lane may hold before QueueFull (a job of n counts
+    # n), per lane (interactive, default, batch), or one number for every lane.
     max_backlog: int | Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_MAX_BACKLOG))
     job_ttl: int = DEFAULT_JOB_TTL
     # A job for a model no live worker serves fails at once (UnknownModel) unless submitted
@@ -328,14 +330,14 @@ def _submit_args(
     shards: int = 1,
 ) -> list[Any]:
     """SUBMIT's arguments (tokenq/protocol/scripts/submit.lua) for the prepared jobs, each
-    routed to its model; on a cluster, for one shard (its key prefix), whose lanes hold a
-    `1/shards` share of each cap."""
+    routed to its model and weighing its n outputs; on a cluster, for one shard (its key
+    prefix), whose lanes hold a `1/shards` share of each cap."""
     caps = (-(-config.lane_cap(x) // shards) for x in LANES)
     args: list[Any] = [prefix or config.namespace, config.job_ttl, *caps]
     for r, model in zip(reqs, models, strict=True):
         r.model = model  # the client's own copy (_prepare)
         args += [r.job_id, r.model, r.priority, r.tenant or NO_TENANT, r.lane]
-        args += [PROTOCOL_VERSION, _payload(r, config.limits)]
+        args += [PROTOCOL_VERSION, _payload(r, config.limits), r.weight]
     return args
 
 

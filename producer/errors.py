@@ -6,7 +6,8 @@ import redis
 
 
 class QueueFull(Exception):
-    """A model's lane already holds its ``max_backlog`` jobs; retry later or shed the load.
+    """A model's lane cannot take the jobs within its ``max_backlog``; retry later or shed
+    the load. The backlog counts outputs: a job of n counts n, as n jobs of one would.
 
     Raised instead of letting a queue grow without bound when producers outrun workers.
     Each lane has its own cap, so a flood of batch jobs never refuses interactive ones.
@@ -26,8 +27,8 @@ class QueueFull(Exception):
     def __str__(self) -> str:
         where = f"{self.model} {self.lane} lane" if self.model else f"{self.lane} lane"
         return (
-            f"queue full: {where} holds {self.backlog} jobs waiting or running "
-            f"(max {self.max_backlog})"
+            f"queue full: {where} holds {self.backlog} outputs of jobs waiting or running "
+            f"(max {self.max_backlog}; a job of n counts n)"
         )
 
 

@@ -12,13 +12,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
 
 from tests.faults import free_port
 from tests.helpers import DEFAULT_MODEL
-from tests.redis_fixtures import CLIENT, TEST_MODEL
+from tests.redis_fixtures import CLIENT, TEST_MODEL, queue_of
 from tests.worker_support import (
     WorkerThread,
     fast_config,
@@ -28,7 +29,9 @@ from tests.worker_support import (
     wait_for,
 )
 from tokenq.engine import LLM, SamplingParams
-from tokenq.producer.client import Client
+from tokenq.ops.dlq import DeadLetters
+from tokenq.producer.client import Client, ClientConfig, make_request
+from tokenq.producer.errors import JobFailed, QueueFull
 from tokenq.protocol import DoneEvent, Event, RestartEvent, TokenEvent, decode_event
 from tokenq.protocol.errors import InvalidRequest
 from tokenq.protocol.params import check_sizes
@@ -252,6 +255,50 @@ def test_a_dead_workers_job_of_n_resumes_every_output_without_duplicates(
     client.close()
 
 
+def test_a_job_of_n_counts_n_in_its_lanes_backlog_until_it_ends(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    """QueueFull counts outputs: with a cap of 8, n = 5 then n = 4 is refused, n = 4 twice
+    fits. Each end takes its job's n off again: a run's acknowledgement, a dead-lettered
+    entry's settlement, and a replay of that dead letter adds n back (checked first)."""
+    ns = redis_namespace
+    client = Client(redis_url, namespace=ns, **CLIENT, max_backlog=8)
+    conn, keys = client.redis, client.keys
+    params = {"temperature": 0.9, "seed": 3, "max_tokens": 4, "ignore_eos": True}
+    five = client.submit("five", n=5, **params)
+    with pytest.raises(QueueFull) as full:
+        client.submit("four", n=4, **params)
+    assert (full.value.lane, full.value.backlog, full.value.max_backlog) == ("default", 5, 8)
+    fours = client.submit_many([make_request("four", n=4, lane="batch", **params) for _ in "ab"])
+    with pytest.raises(QueueFull):
+        client.submit("one more", lane="batch", **params)
+    default, batch = keys.backlog(TEST_MODEL, "default"), keys.backlog(TEST_MODEL, "batch")
+    assert (conn.get(default), conn.get(batch)) == (b"5", b"8")
+    queues = (queue_of(ns), queue_of(ns, priority=1))
+    assert [f.get(b"w") for q in queues for _, f in conn.xrange(q)] == [b"5", b"4", b"4"]
+    # The n = 5 job's entry was delivered too often: the worker dead-letters it unrun.
+    conn.xgroup_create(queues[0], "workers", id="0")
+    ((_, ((entry, _),)),) = conn.xreadgroup("workers", "ghost", {queues[0]: ">"}, count=1)
+    conn.xclaim(queues[0], "workers", "ghost", 0, [entry], retrycount=5, justid=True)
+    with WorkerThread(Worker(make_engine(tiny_model), conn, fast_config(ns))):
+        for job in fours:
+            assert len(job.result(timeout=60).outputs or []) == 4
+        with pytest.raises(JobFailed):
+            five.result(timeout=60)
+        assert (conn.get(default), conn.get(batch)) == (b"0", b"0")
+        letters = DeadLetters(conn, ns)
+        letter = letters.find(five.id)
+        with pytest.raises(QueueFull):
+            letters.replay(letter, ClientConfig(namespace=ns, max_backlog=4))
+        letters.replay(letter, ClientConfig(namespace=ns, max_backlog=8))
+        assert [f.get(b"w") for _, f in conn.xrange(queues[0])] == [b"5"]
+        assert len(five.result(timeout=60).outputs or []) == 5
+    assert (conn.get(default), conn.get(batch)) == (b"0", b"0")
+    client.close()
+
+
 # -- through the gateway, with the openai SDK ---------------------------------------------
 
 
@@ -327,6 +374,29 @@ def test_chat_streams_each_choice_by_index(gateway: str) -> None:
     assert [c.index for c in whole.choices] == [0, 1]
     assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
     assert whole.usage.completion_tokens == 2 * 4  # summed over the choices
+
+
+def test_n_choices_each_follow_the_response_format(gateway: str) -> None:
+    sdk = openai.OpenAI(base_url=gateway, api_key="none")
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    whole = sdk.chat.completions.create(
+        model=TEST_MODEL,
+        messages=[{"role": "user", "content": "Name a city. Answer in JSON."}],
+        n=2,
+        temperature=0.9,
+        seed=11,
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt_as_transformers_does(

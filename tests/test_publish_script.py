@@ -86,3 +86,21 @@ def test_a_publish_goes_through_after_a_script_flush_or_a_killed_connection(
     want = [(f"0-{i}".encode(), [100 + i]) for i in range(1, 4)]
     assert _reply(redis_conn, redis_namespace, "a") == want
     own.close()
+
+
+def test_an_acknowledgement_takes_the_entrys_weight_off_its_backlog_never_below_0(
+    redis_conn: redis.Redis, redis_namespace: str
+) -> None:
+    scripts = _scripts(redis_conn, redis_namespace, ["a", "b"])
+    keys = Keys(redis_namespace)
+    queue, backlog = keys.queue("m", 0, "-"), keys.backlog("m", "default")
+    entries = [redis_conn.xadd(queue, {"id": jid}) for jid in ("a", "b")]
+    redis_conn.set(backlog, 7)
+    done = [
+        Item("run", queue.encode(), eid, jid, first_seq=1, status="done", backlog=backlog, weight=w)
+        for eid, jid, w in zip(entries, ("a", "b"), (5, 4), strict=True)
+    ]
+    assert scripts.publish(FENCE, done[:1], 600, 3600, 1000) == [("ok", False)]
+    assert redis_conn.get(backlog) == b"2"
+    assert scripts.publish(FENCE, done[1:], 600, 3600, 1000) == [("ok", False)]
+    assert redis_conn.get(backlog) == b"0"

@@ -34,7 +34,14 @@ from tokenq.engine.outputs import RequestDelta
 from tokenq.engine.sequence import RequestMetrics
 from tokenq.engine.structured import GrammarCompiler
 from tokenq.producer.client import Client
-from tokenq.protocol import InvalidRequest, JobRequest, SamplingParams, TokenEvent, decode_event
+from tokenq.protocol import (
+    DoneEvent,
+    InvalidRequest,
+    JobRequest,
+    SamplingParams,
+    TokenEvent,
+    decode_event,
+)
 from tokenq.worker import pipe
 from tokenq.worker.worker import Worker
 
@@ -158,6 +165,28 @@ def test_every_output_validates_greedy_and_sampled_through_preemption(llm: LLM) 
     assert llm.engine.grammars.stats.compile_cached  # the sampled repeats reused grammars
 
 
+def test_each_of_n_outputs_follows_the_grammar_alone_as_its_own_seeded_job(llm: LLM) -> None:
+    """n = 3 sampled outputs of one prompt, each with its own matcher: every one validates,
+    and output i equals a job of its own with seed + i (sharing one matcher, the outputs
+    would feed it each other's tokens and be refused)."""
+    schema = SCHEMAS[0]
+    spec = {"json": schema}
+
+    def params(n: int, seed: int) -> SamplingParams:
+        return SamplingParams(
+            n=n, temperature=0.9, seed=seed, max_tokens=60, structured_outputs=spec
+        )
+
+    prompt = chat(PROMPTS[0])
+    group, *alone = llm.chat([prompt] * 4, [params(3, 40), *(params(1, 40 + i) for i in range(3))])
+    texts = [o.text for o in group.outputs]
+    for i, output in enumerate(group.outputs):
+        assert output.finish_reason == "stop", output.text
+        jsonschema.validate(json.loads(output.text), schema)
+        assert output.token_ids == alone[i].outputs[0].token_ids
+    assert len(set(texts)) > 1, texts  # sampled apart
+
+
 def test_a_grammar_compiling_too_long_ends_its_job_alone(llm: LLM) -> None:
     engine = llm.engine
     timeout = engine.config.grammar_compile_timeout
@@ -165,7 +194,8 @@ def test_a_grammar_compiling_too_long_ends_its_job_alone(llm: LLM) -> None:
     busy = threading.Event()  # holds the compile thread: the grammar compiles past its limit
     engine.grammars._pool.submit(busy.wait)
     try:
-        slow = SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-f]{40}[0-9]"})
+        # n = 2: the refusal ends both outputs, with one error
+        slow = SamplingParams(n=2, max_tokens=4, structured_outputs={"regex": "[a-f]{40}[0-9]"})
         engine.add_request("slow", "Hi", params=slow)
         engine.add_request("mate", "Hi", params=SamplingParams(temperature=0, max_tokens=3))
         done = {}
@@ -177,6 +207,7 @@ def test_a_grammar_compiling_too_long_ends_its_job_alone(llm: LLM) -> None:
     assert done["slow"].finish_reason == "error"
     assert done["slow"].error_code == "invalid_params"
     assert "to compile" in (done["slow"].error or "")
+    assert [o.finish_reason for o in done["slow"].outputs or []] == ["error", "cancelled"]
     assert done["mate"].finish_reason == "length" and done["mate"].completion_tokens == 3
 
 
@@ -277,6 +308,49 @@ def test_a_dead_workers_structured_job_resumes_elsewhere_and_still_validates(
     compiles = {"model": "tiny", "cache": "cold"}
     assert scrape("tokenq:structured_compile_seconds_count", compiles) == 1
     assert scrape("tokenq:structured_rejections_total", {"model": "tiny", "reason": "timeout"}) == 0
+    client.close()
+
+
+@pytest.mark.usefixtures("single_torch_thread")
+def test_a_dead_workers_structured_job_of_n_resumes_every_output_and_each_validates(
+    tiny_model: Path,  # noqa: F811
+    redis_url: str,
+    redis_namespace: str,
+) -> None:
+    """Each output's fresh matcher on the rescuer follows that output's own tokens: the
+    seeded re-run reproduces what every output published, streams only the rest, and every
+    output validates."""
+    schema = obj({"answers": {"type": "array", "items": {"enum": ["yes", "no"]}, "minItems": 4}})
+    client = Client(redis_url, namespace=redis_namespace, **CLIENT)
+    spec = {"json": schema}
+    job = client.submit(
+        "Vote.", n=2, temperature=0.9, seed=5, max_tokens=60, structured_outputs=spec
+    )
+    config = fast_config(redis_namespace, claim_idle_ms=500, claim_interval_s=0.2)
+    dead = Worker(make_engine(tiny_model), client.redis, replace(config, consumer="dead"))
+    dead.register()
+
+    def published() -> list[int]:
+        counts = [0, 0]
+        for e in reply_events(client, job.id):
+            if isinstance(e, TokenEvent):
+                counts[e.output] += len(e.token_ids)
+        return counts
+
+    while min(published()) < 3:
+        dead.run_once()
+    before = published()
+    assert job.status() == "running"  # the dead worker left it mid-generation
+    rescuer = Worker(make_engine(tiny_model), client.redis, replace(config, consumer="rescuer"))
+    with WorkerThread(rescuer):
+        wait_for(lambda: job.status() == "done", timeout=60)
+    events = reply_events(client, job.id)
+    assert not any(e.type == "restart" for e in events)
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.outputs is not None and len(done.outputs) == 2
+    for output, seen in zip(done.outputs, before, strict=True):
+        assert output.finish_reason == "stop" and len(output.token_ids) > seen
+        jsonschema.validate(json.loads(output.text), schema)
     client.close()
 
 

@@ -148,8 +148,16 @@ class InFlightTable:
         self, delivery: Taken, job_id: str | None, mode: str = "settle", **fields: Any
     ) -> None:
         """Queue an entry's ending for the next PUBLISH (`fields`: the rest of its Item)."""
-        backlog = self.backlog(delivery)
-        item = Item(mode, delivery.stream, delivery.entry_id, job_id, backlog=backlog, **fields)
+        backlog, weight = self.backlog(delivery), delivery.weight
+        item = Item(
+            mode,
+            delivery.stream,
+            delivery.entry_id,
+            job_id,
+            backlog=backlog,
+            weight=weight,
+            **fields,
+        )
         with self.lock:
             self.settling.append(item)
         self._wake()

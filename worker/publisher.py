@@ -221,6 +221,7 @@ class Publisher:
                 events=[event_arg(ev) for ev in outbox],
                 dead=inf.dead,
                 backlog=inf.backlog,
+                weight=inf.delivery.weight,
                 hooks=inf.hooks.owed(inf.next_seq, outbox, status) if inf.hooks else [],
             )
             for inf, outbox, status in jobs

@@ -44,6 +44,7 @@ class Item:
     dead: dict[str, Any] | None = None  # a dead-letter entry to add
     release: bool = False  # "settle": this worker took the job's owner key for this entry
     backlog: str | None = None  # the lane's backlog counter, decremented on acknowledgement
+    weight: int = 1  # what acknowledging takes off it: the entry's `w` (its job's n outputs)
     hooks: list[tuple[int, str, bytes]] = field(default_factory=list)  # webhook: seq, stream, data
 
 
@@ -65,6 +66,13 @@ class Taken:
     fields: dict[bytes, bytes] | None  # None: trimmed from the stream while pending
     count: int = 1  # deliveries, this one included
     started: StartResult | None = None  # TAKE started its job already (as START would)
+
+    @property
+    def weight(self) -> int:
+        """What the entry counts in its lane's backlog: its `w` field (SUBMIT writes its
+        job's n outputs there when above 1), else 1."""
+        raw = (self.fields or {}).get(b"w", b"1")
+        return int(raw) if raw.isdigit() and 0 < len(raw) < 8 and int(raw) > 0 else 1
 
 
 @dataclass
@@ -171,9 +179,10 @@ class Scripts:
         for it in items:
             dead = [x for pair in it.dead.items() for x in pair] if it.dead else []
             head = _head(it.mode, it.job_id, it.stream, it.entry_id, it.backlog)
+            weight = f" {it.weight}" if it.weight > 1 else ""
             args.append(
                 f"{head} {it.first_seq} {it.status or '-'} {int(it.release)} "
-                f"{len(it.events)} {len(dead)} {len(it.hooks)}"
+                f"{len(it.events)} {len(dead)} {len(it.hooks)}{weight}"
             )
             args += it.events
             args += dead

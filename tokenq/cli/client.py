@@ -53,7 +53,12 @@ def add_commands(sub: Any) -> None:
     flag_option(submit, "--queue-anyway", "queue even if no live worker serves the model")
     option(submit, "--job-id", help="idempotency key (default: random)")
     option(submit, "--timeout", type=float, default=600.0, help="seconds to wait for the end")
-    option(submit, "--max-backlog", type=int, help="QueueFull beyond this many jobs in the lane")
+    option(
+        submit,
+        "--max-backlog",
+        type=int,
+        help="QueueFull beyond this many outputs in the lane (a job of n counts n)",
+    )
     option(
         submit,
         "--retry-for",

@@ -143,7 +143,12 @@ def add_commands(sub: Any) -> None:
     )
     common_options(replay)
     replay.add_argument("ref", help="a dead letter's id (from `dlq list`) or a job id")
-    option(replay, "--max-backlog", type=int, help="QueueFull beyond this many jobs in the lane")
+    option(
+        replay,
+        "--max-backlog",
+        type=int,
+        help="QueueFull beyond this many outputs in the lane (a job of n counts n)",
+    )
     replay.set_defaults(run=cmd_dlq_replay)
     purge = verbs.add_parser("purge", help="delete every dead letter", epilog=EXITS["dlq"])
     common_options(purge)

@@ -67,7 +67,12 @@ def serve_parser() -> argparse.ArgumentParser:
         default=GatewayConfig.retry_after,
         help="seconds, in the Retry-After of a 429 (queue full)",
     )
-    option(serve, "--max-backlog", type=int, help="429 beyond this many jobs in a model's lane")
+    option(
+        serve,
+        "--max-backlog",
+        type=int,
+        help="429 beyond this many outputs in a model's lane (a job of n counts n)",
+    )
     durable_option(serve)
     option(
         serve,

@@ -9,7 +9,7 @@ without running it ("one terminal event per job"). So the replay, one script
 
 1. refuses if the dead letter is gone (replayed or purged meanwhile), or if the job key
    holds anything but `error` (the job was submitted again and is queued, running or done);
-2. refuses, changing nothing, if the lane is full (QueueFull);
+2. refuses, changing nothing, if the lane is full (QueueFull; the job weighs its n outputs);
 3. deletes the job key, the reply stream, the owner and cancel keys: the job starts over
    with a clean reply, as if never submitted;
 4. submits it with the client's own SUBMIT, included whole (job key, queue set, entry,
@@ -189,7 +189,7 @@ class DeadLetters:
         k = self.keys
         args = [letter.id, k.namespace, config.job_ttl, *caps, jid, model, priority, tenant]
         args.append(lane_of(priority))
-        args += [letter.fields[b"v"], letter.fields[b"data"]]
+        args += [letter.fields[b"v"], letter.fields[b"data"], job.weight]
         answer = self._replay(
             keys=[k.dead, k.job(jid), k.reply(jid), k.owner(jid), k.cancel(jid)], args=args
         )

@@ -55,7 +55,7 @@ class Waiting:
 
 @dataclass
 class Lane:
-    backlog: int = 0  # the lane's counter: jobs added and not acknowledged (QueueFull's bound)
+    backlog: int = 0  # the lane's counter: outputs (n per job) not acknowledged (QueueFull's bound)
     waiting: int = 0  # entries no worker has taken yet
     pending: int = 0  # entries taken and not acknowledged: running, or their worker died
     oldest: Waiting | None = None
@@ -437,7 +437,9 @@ class FleetReader:
 # Name -> help of every gauge `FleetCollector` yields (tests check dashboards against it).
 FLEET_METRICS = {
     "tokenq:redis_up": "1 if Redis answered this scrape, else 0 (and no other gauge)",
-    "tokenq:queue_backlog": "Jobs of a lane added and not acknowledged (QueueFull's bound)",
+    "tokenq:queue_backlog": (
+        "Outputs of a lane's jobs added and not acknowledged, n for a job of n (QueueFull's bound)"
+    ),
     "tokenq:queue_waiting": "Jobs of a lane that no worker has taken yet",
     "tokenq:queue_pending": "Jobs of a lane taken by a worker and not acknowledged",
     "tokenq:queue_oldest_waiting_seconds": "Age of the lane's oldest job not taken (0: none)",

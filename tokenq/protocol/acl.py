@@ -60,7 +60,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         "exists",
         "get",
         "set",
-        "decr",
+        "decrby",  # a lane's backlog, less an acknowledged entry's weight (publish.lua)
         "zrange",
         "xadd",
         "xack",

@@ -207,6 +207,13 @@ class JobRequest:
     def lane(self) -> str:
         return lane_of(self.priority)
 
+    @property
+    def weight(self) -> int:
+        """What the job counts toward its lane's backlog cap: its outputs (``n``), so that
+        one job of n weighs as n jobs of one (1 for an ``n`` the worker will refuse)."""
+        n = self.params.get("n", 1) if isinstance(self.params, dict) else 1
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
     def to_fields(self) -> dict[str, bytes | str]:
         """The job stream entry. The id sits outside the msgpack blob so that a worker can
         still answer the right client when the blob itself is broken."""

@@ -78,6 +78,7 @@ class SamplingParams:
     ``structured_outputs`` constrains the output, as vLLM's: exactly one of ``json`` (a
     JSON Schema), ``json_object``, ``regex``, ``choice`` or ``grammar``; it must compile
     with llguidance (tokenq/protocol/structured.py) and is kept in its normalized form.
+    Each of ``n`` outputs follows it on its own.
     """
 
     n: int = 1
@@ -163,8 +164,6 @@ class SamplingParams:
             _bias_token(key): _bias_value(key, value) for key, value in self.logit_bias.items()
         }
         if self.structured_outputs is not None:
-            if self.n > 1:  # one grammar matcher per job: its outputs would share it
-                raise _bad("n", "must be 1 with structured_outputs (submit n jobs instead)")
             self.structured_outputs = check_structured(self.structured_outputs)
 
     @property

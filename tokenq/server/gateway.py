@@ -128,7 +128,8 @@ class GatewayConfig:
     block_ms: int = 10
     max_connections: int = 100  # to Redis, shared by every request
     retry_for: float = 5.0  # how long a request rides out an unreachable Redis: then 503
-    # Jobs a model's lane may hold before 429 (ClientConfig.max_backlog; None: its default).
+    # Outputs (n per job) a model's lane may hold before 429 (ClientConfig.max_backlog; None: its
+    # default).
     max_backlog: int | None = None
     # A submit is answered only once a replica holds the job (ClientConfig.durable_submit).
     durable_submit: bool = False

@@ -5,16 +5,18 @@
 -- KEYS: the dead-letter stream
 -- ARGV: fencing token, consumer, group, running ttl, reply ttl, dead-letter maxlen,
 --       namespace, webhook state ttl, then per item: "mode job stream entry backlog first
---       status release #events #dead #hooks" ("-" for none), the events, the dead letter's
---       field/value pairs, then per webhook event "seq stream" and its msgpack payload
+--       status release #events #dead #hooks [weight]" ("-" for none; the weight, the
+--       entry's `w` field, only when above 1), the events, the dead letter's field/value
+--       pairs, then per webhook event "seq stream" and its msgpack payload
 -- Reply: two characters per item: its outcome (o ok, l lost, g gone, k kept, r run again)
 --        and whether the job's cancel key is set (0/1)
 -- Modes:
 -- "run": a job this worker runs, fenced by the owner key. Events go to their sequence ids
 --   and only those above the stream's top are written, so a re-sent call adds nothing.
 --   Status "running" marks the job started; "done"/"error" ends it and acknowledges the
---   entry (XACK, XDEL, and its lane's backlog counter) with the final event. Outcome ok,
---   or lost when another worker took the job over.
+--   entry (XACK, XDEL, and its lane's backlog counter, less the entry's weight, never
+--   below 0) with the final event. Outcome ok, or lost when another worker took the job
+--   over.
 -- "check": as "run", on a Redis Cluster, where a failover can lose what a primary had not
 --   yet replicated: the stream must hold every event below `first`, else nothing is written
 --   and the outcome is r (run again: the worker hands the entry back, and a re-run
@@ -91,10 +93,12 @@ local function mine(stream, entry)
   return not rows.err and #rows == 1
 end
 
-local function ack(stream, entry, backlog)
+-- The entry's weight (its job's n outputs, as SUBMIT counted it) comes off the backlog.
+local function ack(stream, entry, backlog, weight)
   redis.pcall('XACK', stream, group, entry)  -- NOGROUP: a dropped queue, nothing to ack
   if redis.call('XDEL', stream, entry) == 1 and backlog ~= '-' then
-    if tonumber(redis.call('GET', backlog) or '0') > 0 then redis.call('DECR', backlog) end
+    local have = tonumber(redis.call('GET', backlog) or '0')
+    if have > 0 then redis.call('DECRBY', backlog, math.min(have, weight)) end
   end
 end
 
@@ -132,9 +136,11 @@ end
 local out = {}
 local a = 9
 while a <= #ARGV do
-  local mode, jid, stream, entry, backlog, first, status, release, nev, ndead, nhooks =
-    string.match(ARGV[a], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%d+) (%S+) (%d) (%d+) (%d+) (%d+)$')
+  local mode, jid, stream, entry, backlog, first, status, release, nev, ndead, nhooks, weight =
+    string.match(ARGV[a],
+      '^(%S+) (%S+) (%S+) (%S+) (%S+) (%d+) (%S+) (%d) (%d+) (%d+) (%d+) ?(%d*)$')
   first, nev, ndead, nhooks = tonumber(first), tonumber(nev), tonumber(ndead), tonumber(nhooks)
+  weight = tonumber(weight) or 1
   if status == '-' then status = '' end
   local ev = a + 1
   local dl = ev + nev
@@ -162,7 +168,7 @@ while a <= #ARGV do
         redis.call('EXPIRE', reply, reply_ttl)
         finish(job, status)
         redis.call('DEL', owner, cancel, ns .. ':entry:' .. jid)
-        ack(stream, entry, backlog)
+        ack(stream, entry, backlog, weight)
         add_dead(dl, ndead)
       end
     elseif holder or status == '' or status == 'running' or last_seq(reply) < first + nev - 1 then
@@ -194,7 +200,7 @@ while a <= #ARGV do
     end
     if release == '1' and holder == token then redis.call('DEL', owner) end
     add_dead(dl, ndead)
-    ack(stream, entry, backlog)
+    ack(stream, entry, backlog, weight)
   end
   out[#out + 1] = outcome .. cancelled
 end

@@ -3,15 +3,18 @@
 -- keys, and a submit re-sent after a lost answer finds its own jobs this way. Each job's
 -- own entry is recorded, so that a worker refusing some other entry that names the job (a
 -- broken or forged one) leaves the queued job alone. One doorbell ring per model.
+-- A job's weight is its number of outputs (n): it counts that much toward its lane's cap
+-- and backlog counter, as n jobs of one would; a weight above 1 is kept in the entry
+-- (field `w`) for the worker, whose acknowledgement takes it off the counter again.
 -- KEYS: none
 -- ARGV: namespace, job ttl, the lane caps (interactive, default, batch), then per job:
---       id, model, priority, tenant, lane, protocol version, payload
+--       id, model, priority, tenant, lane, protocol version, payload, weight
 -- Reply: {"ok", {1 if duplicate else 0, ...}} or {"full", lane, backlog, cap, model}
 local ns, ttl = ARGV[1], ARGV[2]
 local caps = {interactive = tonumber(ARGV[3]), default = tonumber(ARGV[4]),
               batch = tonumber(ARGV[5])}
 local dup, fresh, adds, seen = {}, {}, {}, {}
-for b = 6, #ARGV, 7 do
+for b = 6, #ARGV, 8 do
   local jid = ARGV[b]
   if seen[jid] or redis.call('EXISTS', ns .. ':job:' .. jid) == 1 then
     dup[#dup + 1] = 1
@@ -20,7 +23,7 @@ for b = 6, #ARGV, 7 do
     seen[jid] = true
     fresh[#fresh + 1] = b
     local lane_key = ARGV[b + 1] .. ' ' .. ARGV[b + 4]  -- model names hold no spaces
-    adds[lane_key] = (adds[lane_key] or 0) + 1
+    adds[lane_key] = (adds[lane_key] or 0) + tonumber(ARGV[b + 7])
   end
 end
 local backlogs = {}
@@ -40,7 +43,13 @@ for _, b in ipairs(fresh) do
     redis.call('ZADD', ns .. ':queues:' .. model, prio, prio .. ':' .. tenant)
     listed[queue], models[model] = true, true
   end
-  local eid = redis.call('XADD', queue, '*', 'v', ARGV[b + 5], 'id', jid, 'data', ARGV[b + 6])
+  local eid
+  if tonumber(ARGV[b + 7]) > 1 then
+    eid = redis.call('XADD', queue, '*', 'v', ARGV[b + 5], 'id', jid, 'data', ARGV[b + 6],
+                     'w', ARGV[b + 7])
+  else
+    eid = redis.call('XADD', queue, '*', 'v', ARGV[b + 5], 'id', jid, 'data', ARGV[b + 6])
+  end
   -- entry ids are unique only within a stream: the queue is part of the record
   redis.call('SET', ns .. ':entry:' .. jid, queue .. ' ' .. eid, 'EX', ttl)
 end
