@@ -336,3 +336,37 @@ def test_a_durable_submit_returns_once_a_replica_holds_the_job(tmp_path: Path) -
                 await client.aclose()
 
             asyncio.run(submit())
+
+
+def test_the_async_client_spreads_jobs_over_the_shards_and_streams_them_back(
+    tiny_model: Path,  # noqa: F811
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    requests = [{"prompt": f"fable {i}", "params": {"max_tokens": 8, **GREEDY}} for i in range(6)]
+    config = fast_config(cluster_namespace)
+    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+
+    async def run() -> dict[str, list[Any]]:
+        client = await AsyncClient.connect(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+        assert client.layout.count == 3
+        jobs = await client.submit_many(
+            make_request(r["prompt"], job_id=f"aj-{i}", **r["params"])
+            for i, r in enumerate(requests)
+        )
+        assert {client.layout.index(j.id) for j in jobs} == {0, 1, 2}
+        seen: dict[str, list[Any]] = {j.id: [] for j in jobs}
+        async for job, event in client.stream_many(jobs, timeout=60):
+            seen[job.id].append(event)
+        alone = await jobs[0].result(timeout=10)  # one job's stream, from its own shard
+        assert alone.token_ids == check_reply(seen[jobs[0].id]).done.token_ids
+        assert await jobs[1].status() == "done"
+        assert (await client.submit("again", job_id=jobs[2].id)).duplicate
+        await client.aclose()
+        return seen
+
+    with WorkerThread(worker):
+        seen = asyncio.run(run())
+    expected = reference_run(tiny_model, requests)
+    for i, (_, final) in enumerate(expected):
+        assert check_reply(seen[f"aj-{i}"]).done.token_ids == final.token_ids
