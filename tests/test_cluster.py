@@ -4,18 +4,23 @@ any node, the key layout by shard, jobs end to end, failover, and the load's spr
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from tests.cluster_fixtures import redis_cluster  # noqa: F401
 from tests.faults import RedisServer
+from tests.test_gateway import GatewayProcess
 from tests.waits import wait_for
 from tests.worker_support import (
     CLIENT,
@@ -34,6 +39,7 @@ from tokenq.producer.errors import NotReplicated, QueueFull, RedisUnavailable
 from tokenq.protocol import Keys, TokenEvent, decode_event
 from tokenq.protocol.connection import Cluster, cluster_seeds, connect
 from tokenq.protocol.keys import Layout, shard_tags
+from tokenq.server.auth import principal_id
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.config import connect as worker_connect
 from tokenq.worker.scripts import Scripts
@@ -370,3 +376,75 @@ def test_the_async_client_spreads_jobs_over_the_shards_and_streams_them_back(
     expected = reference_run(tiny_model, requests)
     for i, (_, final) in enumerate(expected):
         assert check_reply(seen[f"aj-{i}"]).done.token_ids == final.token_ids
+
+
+def test_the_gateway_serves_the_openai_sdk_with_per_key_limits_counted_apart(
+    tiny_model: Path,  # noqa: F811
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+    tmp_path: Path,
+) -> None:
+    """Through the official SDK: answers equal the engine's; an Idempotency-Key retry
+    attaches to its job; a full lane is a 429 whose admission, counted in a call of its
+    own on the key's slot, was settled (no tokens, no slot left counted)."""
+    key = f"sk-{uuid.uuid4().hex}"
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text(f"{key} - rpm=100 tpm=100000 concurrent=2\n")
+    principal = principal_id(hashlib.sha256(key.encode()).digest())
+    node = RedisCluster.from_url(redis_cluster.url)
+    now = time.time()  # a live "worker" of a model that never takes a job: its lane fills
+    ghost = {"names": json.dumps(["ghost"]), "max_model_len": 2048, "host": "g", "pid": 1}
+    node.hset(f"{cluster_namespace}:worker:ghost", mapping={**ghost, "heartbeat_at": now})
+    node.zadd(f"{cluster_namespace}:workers", {"ghost": int(now * 1000)})
+    config = fast_config(cluster_namespace)
+    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    requests = [{"prompt": "a river", "params": {"max_tokens": 6, **GREEDY}}]
+    ((_, final),) = reference_run(tiny_model, requests)
+    with WorkerThread(worker):
+        gateway = GatewayProcess(
+            redis_cluster.url, cluster_namespace, tmp_path / "gw.log",
+            "--api-keys-file", str(keys_file), "--max-backlog", "3",
+        )  # fmt: skip
+        try:
+            sdk = openai.OpenAI(base_url=f"{gateway.base}/v1", api_key=key, max_retries=0)
+            extra = {"ignore_eos": True}
+            raw = sdk.completions.with_raw_response.create(
+                model="tiny", prompt="a river", max_tokens=6, temperature=0, extra_body=extra,
+                extra_headers={"Idempotency-Key": "gw-1"},
+            )  # fmt: skip
+            answer, job_id = raw.parse(), raw.headers["x-tokenq-job-id"]
+            client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+            done = client.job(job_id).result(timeout=10)
+            assert done.token_ids == final.token_ids and answer.choices[0].text == done.text
+            again = sdk.completions.with_raw_response.create(
+                model="tiny", prompt="a river", max_tokens=6, temperature=0, extra_body=extra,
+                extra_headers={"Idempotency-Key": "gw-1"},
+            )  # fmt: skip
+            assert again.headers["x-tokenq-job-id"] == job_id
+            assert again.parse().choices[0].text == done.text
+            streamed = sdk.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                stream=True, extra_body=extra,
+            )  # fmt: skip
+            assert sum(1 for c in streamed if c.choices and c.choices[0].delta.content) >= 1
+            # Each shard's share of the ghost's default lane (ceil(3 / 3)) is full.
+            for shard in range(3):
+                client.submit("wait", job_id=_ids(client, shard, 1, "ghost")[0], model="ghost")
+            rate = f"{cluster_namespace}:gw:{{{principal}}}:rate"
+            running = f"{cluster_namespace}:gw:{{{principal}}}:running"
+            wait_for(lambda: node.zcard(running) == 0)  # the earlier requests settled
+            before = node.hgetall(rate)
+            full = httpx.post(
+                f"{gateway.base}/v1/completions",
+                json={"model": "ghost", "prompt": "x", "max_tokens": 50},
+                headers={"Authorization": f"Bearer {key}", "Idempotency-Key": "full"},
+                timeout=30,
+            )
+            assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+            tokens = {k: v for k, v in node.hgetall(rate).items() if k.startswith(b"t:")}
+            assert tokens == {k: v for k, v in before.items() if k.startswith(b"t:")}
+            assert node.zcard(running) == 0
+            client.close()
+        finally:
+            gateway.close()
+            node.close()

@@ -415,16 +415,23 @@ async def _submit(request: Request, kind: str) -> Submitted:
         if isinstance(exc, QueueFull):
             raise BadRequest(str(exc), None, 429, "rate_limit_error", "queue_full") from None
         raise job_error(exc.code, exc.message) from None
+    except redis.RedisError:
+        if gate is not None and gate.admission is not None:  # on a cluster: counted apart
+            _background(app, limiter.settle(gate.admission, 0))
+        raise
     admission = None if gate is None else gate.admission
     if job.duplicate and admission is not None and admission.tokens:
-        await limiter.settle(admission, 0)  # another request queued it first, and pays
+        # Another request queued it first (between a cluster's RATE_ADMIT and SUBMIT),
+        # and pays; the slot both claimed under the job's id stays its.
+        admission.claimed = False
+        await limiter.settle(admission, 0)
     return Submitted(kwargs.get("model", ""), job, form, timeout, admission)
 
 
 async def _check_reply(client: AsyncClient, job: AsyncJob) -> None:
     """A retry after the job's reply expired (an hour after it ended) would wait forever."""
     if await job.status() in (DONE, ERROR) and not await client.redis.exists(
-        client.keys.reply(job.id)
+        client.keys_of(job.id).reply(job.id)
     ):
         raise BadRequest(
             f"job {job.id} ended and its reply has expired", None, 409, code="reply_expired"
@@ -590,7 +597,7 @@ async def _resume_point(request: Request, client: AsyncClient, job: AsyncJob) ->
 
 async def _ended_at(client: AsyncClient, job: AsyncJob, after: str) -> bool:
     """Whether the client already saw the job's final event (nothing more will come)."""
-    last = await client.redis.xrevrange(client.keys.reply(job.id), count=1)
+    last = await client.redis.xrevrange(client.keys_of(job.id).reply(job.id), count=1)
     if not last:
         return False
     entry_id, fields = last[0]
@@ -820,7 +827,7 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = AsyncClient(
+        client = await AsyncClient.connect(
             config.redis_url,
             namespace=config.namespace,
             block_ms=config.block_ms,
@@ -831,7 +838,9 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
         )
         app.state.client = client
         app.state.redis = client.redis
-        app.state.limiter = RateLimiter(client.redis, config.namespace, client.config.job_ttl)
+        sharded = client.cluster is not None
+        limiter = RateLimiter(client.redis, config.namespace, client.config.job_ttl, sharded)
+        app.state.limiter = limiter
         app.state.endpoint_owners = EndpointOwners(client.redis, client.keys)
         app.state.leaving = set()
         hangup = _reload_on_hangup(ring)
