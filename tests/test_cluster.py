@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import sys
 import threading
 import time
 import uuid
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import structlog
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
@@ -33,9 +35,11 @@ from tests.worker_support import (
     reference_run,
     tiny_model,  # noqa: F401
 )
+from tokenq import cli
 from tokenq.bench.local_cluster import LocalCluster
+from tokenq.ops.fleet import FleetCollector
 from tokenq.producer.client import AsyncClient, Client, ClientConfig, Job, make_request
-from tokenq.producer.errors import NotReplicated, QueueFull, RedisUnavailable
+from tokenq.producer.errors import JobFailed, NotReplicated, QueueFull, RedisUnavailable
 from tokenq.protocol import Keys, TokenEvent, decode_event
 from tokenq.protocol.connection import Cluster, cluster_seeds, connect
 from tokenq.protocol.keys import Layout, shard_tags
@@ -448,3 +452,79 @@ def test_the_gateway_serves_the_openai_sdk_with_per_key_limits_counted_apart(
         finally:
             gateway.close()
             node.close()
+
+
+def _die_on_reclaim(client: Client, job: Job) -> None:
+    """Deliver the job's entry to a consumer that never runs it, as if five workers had
+    died on it: the next worker to reclaim it dead-letters it (max_deliveries_exceeded)."""
+    shard = client._shard(job.id)
+    queue = shard.keys.queue("tiny", 0, "-")
+    shard.redis.xgroup_create(queue, "workers", id="0")
+    ((_, ((entry, _),)),) = shard.redis.xreadgroup("workers", "ghost", {queue: ">"}, count=1)
+    shard.redis.xclaim(queue, "workers", "ghost", 0, [entry], retrycount=5, justid=True)
+
+
+def test_inspect_the_exporter_and_dead_letter_replay_read_every_shard(
+    tiny_model: Path,  # noqa: F811
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two jobs die in two shards and one waits in a third: `inspect` and the exporter
+    count them all, `dlq list` shows both dead letters newest first, `dlq replay` runs one
+    to its end in its own shard, `dlq purge` empties every shard's dead letters."""
+    before = structlog.get_config()  # in-process workers log to stderr, not the output read
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.__stderr__))
+    where = ["--redis-url", redis_cluster.url, "--namespace", cluster_namespace]
+    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    doomed = []
+    for shard, tag in ((1, "dl-a"), (2, "dl-b")):
+        (jid,) = _ids(client, shard, 1, tag)
+        doomed.append(client.submit("replay me", job_id=jid, max_tokens=4, **GREEDY))
+        _die_on_reclaim(client, doomed[-1])
+    (waiting,) = _ids(client, 0, 1, "wait")
+    client.submit("later", job_id=waiting, model="other", queue_anyway=True)
+    config = fast_config(cluster_namespace)
+    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    try:
+        with WorkerThread(worker):
+            for job in doomed:
+                with pytest.raises(JobFailed, match="max_deliveries_exceeded"):
+                    job.result(timeout=30)
+            status, out, _ = _run(capsys, "inspect", "--json", *where)
+            fleet = json.loads(out)
+            assert status == 0 and fleet["dead_letters"] == 2
+            other = next(m for m in fleet["models"] if m["name"] == "other")
+            assert other["lanes"]["default"]["waiting"] == 1
+            assert other["lanes"]["default"]["backlog"] == 1
+            assert other["lanes"]["default"]["oldest"]["job_id"] == waiting
+            conn = connect(redis_cluster.url)
+            gauges = {
+                (s.name, s.labels.get("model"), s.labels.get("lane")): s.value
+                for family in FleetCollector(conn, cluster_namespace).collect()
+                for s in family.samples
+            }
+            conn.close()
+            assert gauges[("tokenq:dead_letters", None, None)] == 2
+            assert gauges[("tokenq:queue_waiting", "other", "default")] == 1
+            status, out, _ = _run(capsys, "dlq", "list", "--json", *where)
+            listing = json.loads(out)
+            assert listing["count"] == 2
+            assert [d["job_id"] for d in listing["dead_letters"]] == [j.id for j in doomed[::-1]]
+            status, out, err = _run(capsys, "dlq", "replay", doomed[0].id, *where)
+            assert status == 0, err
+            assert doomed[0].result(timeout=30).finish_reason == "length"
+        status, out, _ = _run(capsys, "dlq", "purge", "--yes", *where)
+        assert (status, out) == (0, "deleted 1 dead letter(s)\n")
+        status, out, _ = _run(capsys, "inspect", "--json", *where)
+        assert json.loads(out)["dead_letters"] == 0
+    finally:
+        client.close()
+        structlog.configure(**before)
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """The `tokenq` command in-process: (exit status, stdout, stderr)."""
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err

@@ -22,7 +22,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url
 from redis.exceptions import RedisClusterException
 
-from tokenq.protocol.keys import shards_key
+from tokenq.protocol.keys import Layout, shards_key
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # `redis+cluster://h1:p1,h2:p2/` (or `rediss+cluster://`) forces cluster mode and may list
@@ -155,6 +155,12 @@ class Cluster:
         if wanted and wanted != count:
             raise ValueError(f"namespace {namespace!r} is split into {count} shards, not {wanted}")
         return count
+
+    def layout(self, namespace: str) -> Layout:
+        """The namespace's shards as they stand, read only (a reader of the fleet writes
+        nothing): its setting, else one per primary, what the first client will write."""
+        count = self.redis.get(shards_key(namespace))
+        return Layout(namespace, int(count) if count else len(self.primaries()))
 
     def primaries(self) -> list[ClusterNode]:
         return self.redis.get_primaries()

@@ -65,7 +65,7 @@ from tokenq.protocol import (
     quote,
     reply_seq,
 )
-from tokenq.protocol.connection import DEFAULT_REDIS_URL, redacted
+from tokenq.protocol.connection import DEFAULT_REDIS_URL, Cluster, connect, redacted
 from tokenq.server.auth import (
     ANONYMOUS,
     OPEN_POLICY,
@@ -796,10 +796,11 @@ def openai_router() -> APIRouter:
     return router
 
 
-def _fleet_connection(config: GatewayConfig) -> redis.Redis:
+def _fleet_connection(config: GatewayConfig) -> redis.Redis | Cluster:
     """The fleet's readers are blocking (prometheus_client collects synchronously): their
-    own connection, run in the thread pool, with timeouts so a scrape never hangs."""
-    return redis.Redis.from_url(
+    own connection (on a Redis Cluster, to every shard), run in the thread pool, with
+    timeouts so a scrape never hangs."""
+    return connect(
         config.redis_url, socket_timeout=FLEET_TIMEOUT_S, socket_connect_timeout=FLEET_TIMEOUT_S
     )
 
