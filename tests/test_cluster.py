@@ -382,15 +382,16 @@ def test_the_async_client_spreads_jobs_over_the_shards_and_streams_them_back(
         assert check_reply(seen[f"aj-{i}"]).done.token_ids == final.token_ids
 
 
-def test_the_gateway_serves_the_openai_sdk_with_per_key_limits_counted_apart(
+def test_the_gateway_serves_the_openai_sdk_and_batches_with_per_key_limits_counted_apart(
     tiny_model: Path,  # noqa: F811
     redis_cluster: LocalCluster,  # noqa: F811
     cluster_namespace: str,
     tmp_path: Path,
 ) -> None:
     """Through the official SDK: answers equal the engine's; an Idempotency-Key retry
-    attaches to its job; a full lane is a 429 whose admission, counted in a call of its
-    own on the key's slot, was settled (no tokens, no slot left counted)."""
+    attaches to its job; a batch file runs to its end (its keys in one slot, its lines'
+    jobs over the shards, metered against the key); a full lane is a 429 whose admission,
+    counted in a call of its own on the key's slot, was settled (no tokens or slot left)."""
     key = f"sk-{uuid.uuid4().hex}"
     keys_file = tmp_path / "keys.txt"
     keys_file.write_text(f"{key} - rpm=100 tpm=100000 concurrent=2\n")
@@ -407,7 +408,7 @@ def test_the_gateway_serves_the_openai_sdk_with_per_key_limits_counted_apart(
     with WorkerThread(worker):
         gateway = GatewayProcess(
             redis_cluster.url, cluster_namespace, tmp_path / "gw.log",
-            "--api-keys-file", str(keys_file), "--max-backlog", "3",
+            "--api-keys-file", str(keys_file), "--max-backlog", "3", "--batch-poll", "0.2",
         )  # fmt: skip
         try:
             sdk = openai.OpenAI(base_url=f"{gateway.base}/v1", api_key=key, max_retries=0)
@@ -431,6 +432,24 @@ def test_the_gateway_serves_the_openai_sdk_with_per_key_limits_counted_apart(
                 stream=True, extra_body=extra,
             )  # fmt: skip
             assert sum(1 for c in streamed if c.choices and c.choices[0].delta.content) >= 1
+            lines = [
+                {"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": "tiny", "max_tokens": 3,
+                          "messages": [{"role": "user", "content": f"Say {i}."}]}}
+                for i in range(4)
+            ]  # fmt: skip
+            content = "".join(json.dumps(x) + "\n" for x in lines).encode()
+            upload = sdk.files.create(file=("in.jsonl", content), purpose="batch")
+            batch = sdk.batches.create(
+                input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            wait_for(lambda: sdk.batches.retrieve(batch.id).status == "completed", timeout=60)
+            done_batch = sdk.batches.retrieve(batch.id)
+            assert done_batch.request_counts.completed == 4
+            output = sdk.files.content(done_batch.output_file_id).text.splitlines()
+            assert sorted(json.loads(x)["custom_id"] for x in output) == ["c0", "c1", "c2", "c3"]
+            tag = f"{{{cluster_namespace}:hooks:batches}}"
+            assert node.exists(f"{cluster_namespace}:{tag}:batch:{batch.id}")
             # Each shard's share of the ghost's default lane (ceil(3 / 3)) is full.
             for shard in range(3):
                 client.submit("wait", job_id=_ids(client, shard, 1, "ghost")[0], model="ghost")

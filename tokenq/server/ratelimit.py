@@ -30,8 +30,10 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.cluster import RedisCluster
 
 from tokenq.protocol import JobRequest, Keys
+from tokenq.protocol.keys import Layout
 from tokenq.protocol.scripts import source
 from tokenq.server.auth import Policy, Principal
 from tokenq.server.openai_api import BadRequest
@@ -280,8 +282,16 @@ class SyncMeter:
     once: a batch's own bound is `max_outstanding`), for `BatchRun` (tokenq/batch/runner.py):
     a line waits for room instead of failing."""
 
-    def __init__(self, conn: redis.Redis, namespace: str, principal: Principal) -> None:
-        self.keys = RateKeys(namespace)
+    def __init__(
+        self,
+        conn: redis.Redis | RedisCluster,
+        namespace: str,
+        principal: Principal,
+        layout: Layout | None = None,
+    ) -> None:
+        self.redis = conn  # on a Redis Cluster (`layout` sharded), redis-py's RedisCluster
+        self.layout = layout or Layout(namespace)
+        self.keys = RateKeys(namespace, self.layout.sharded)
         self.principal = principal
         self.policy = Policy(
             requests_per_minute=principal.policy.requests_per_minute,
@@ -302,8 +312,12 @@ class SyncMeter:
         principal = Principal(self.principal.id, self.principal.tenant, self.policy)
         job_id = request.job_id or ""
         tokens = estimate_request(request) if self.policy.tokens_per_minute else 0
+        existed: list[int] = []
+        if self.layout.sharded:  # RATE_ADMIT is told whether the job exists (another slot)
+            key = self.layout.of(job_id).job(job_id)
+            existed = [int(bool(job_id) and self.redis.exists(key))]
         while True:
-            args = _admit_args(self.policy, job_id, tokens, 0, None, 0)
+            args = _admit_args(self.policy, job_id, tokens, 0, None, 0) + existed
             answer = self._admit(keys=self.keys.admit(principal, job_id), args=args)
             try:
                 admission = _outcome(principal, job_id, tokens, answer)
