@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from tests.cluster_fixtures import redis_cluster  # noqa: F401
 from tests.faults import RedisServer
 from tests.test_gateway import GatewayProcess
 from tests.waits import wait_for
+from tests.webhook_support import Dispatcher, Receiver, receiver  # noqa: F401
 from tests.worker_support import (
     CLIENT,
     WorkerThread,
@@ -43,7 +45,9 @@ from tokenq.producer.errors import JobFailed, NotReplicated, QueueFull, RedisUna
 from tokenq.protocol import Keys, TokenEvent, decode_event
 from tokenq.protocol.connection import Cluster, cluster_seeds, connect
 from tokenq.protocol.keys import Layout, shard_tags
+from tokenq.protocol.webhooks import COMPLETED_SEQ, DISPATCHERS
 from tokenq.server.auth import principal_id
+from tokenq.webhooks.whsec import new_secret
 from tokenq.worker.config import WorkerConfig
 from tokenq.worker.config import connect as worker_connect
 from tokenq.worker.scripts import Scripts
@@ -547,3 +551,41 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     status = cli.main(list(argv))
     out, err = capsys.readouterr()
     return status, out, err
+
+
+def test_the_webhook_dispatcher_delivers_every_shards_events_in_order_per_job(
+    tiny_model: Path,  # noqa: F811
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+    receiver: Callable[..., Receiver],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Jobs of every shard with a webhook: each shard's event stream is read by a loop of
+    its own, each job's events arrive once and in order, and the job's state (`done`) is
+    kept in its shard, where PUBLISH keeps `last`."""
+    secret = new_secret()
+    hook = receiver(secret)
+    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    config = fast_config(cluster_namespace)
+    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    extra = ("--first-backoff", "0.05", "--allow-private-webhooks")
+    events = ["start", "completed"]
+    with WorkerThread(worker):
+        with Dispatcher(redis_cluster.url, cluster_namespace, secret, tmp_path / "d.log", *extra):
+            jobs = [
+                client.submit(f"hook {s}", job_id=_ids(client, s, 1, "wh")[0], max_tokens=3,
+                              webhook=hook.url, webhook_events_filter=events, **GREEDY)
+                for s in range(3)
+            ]  # fmt: skip
+            wait_for(lambda: len(hook.completed()) == 3, timeout=30)
+    assert not hook.bad
+    for job in jobs:
+        assert hook.completed()[job.id]["data"]["text"] == job.result(timeout=5).text
+        mine = [w for w in hook.order if w.startswith(f"msg_{job.id}_")]
+        assert mine == [f"msg_{job.id}_job.started", f"msg_{job.id}_job.completed"]
+        state = client.redis.hgetall(f"{client.keys_of(job.id).prefix}:hook:{job.id}")
+        assert state[b"done"] == state[b"last"] == str(COMPLETED_SEQ).encode()
+    for stream in client.redis.smembers(client.keys.hook_streams):
+        assert client.redis.xlen(stream) == 0  # delivered: acknowledged and deleted
+        assert client.redis.xpending(stream, DISPATCHERS)["pending"] == 0
+    client.close()
