@@ -39,10 +39,12 @@ from tests.worker_support import (
 )
 from tokenq import cli
 from tokenq.bench.local_cluster import LocalCluster
-from tokenq.ops.fleet import FleetCollector
+from tokenq.ops.dlq import DeadLetters
+from tokenq.ops.fleet import FleetCollector, FleetReader
 from tokenq.producer.client import AsyncClient, Client, ClientConfig, Job, make_request
 from tokenq.producer.errors import JobFailed, NotReplicated, QueueFull, RedisUnavailable
 from tokenq.protocol import Keys, TokenEvent, decode_event
+from tokenq.protocol.acl import acl_rules
 from tokenq.protocol.connection import Cluster, cluster_seeds, connect
 from tokenq.protocol.keys import Layout, shard_tags
 from tokenq.protocol.webhooks import COMPLETED_SEQ, DISPATCHERS
@@ -589,3 +591,52 @@ def test_the_webhook_dispatcher_delivers_every_shards_events_in_order_per_job(
         assert client.redis.xlen(stream) == 0  # delivered: acknowledged and deleted
         assert client.redis.xpending(stream, DISPATCHERS)["pending"] == 0
     client.close()
+
+
+def test_each_role_runs_within_its_cluster_acl_on_every_node(
+    tiny_model: Path,  # noqa: F811
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    """ACL users made on every node from `acl_rules(..., cluster=True)`: a worker kept to
+    its model's keys of every shard, a client and an operator run jobs and read the fleet,
+    and no node's ACL log holds a refusal of theirs."""
+    roles = {"client": (), "worker": ("tiny",), "admin": ()}
+    users = {role: f"tq-{role}-{cluster_namespace}" for role in roles}
+    nodes = [redis_cluster.node(port) for port in redis_cluster.ports]
+    version = tuple(int(x) for x in nodes[0].info("server")["redis_version"].split(".")[:2])
+    for node in nodes:
+        for role, models in roles.items():
+            rules = acl_rules(role, cluster_namespace, models, version, cluster=True).split()
+            node.execute_command("ACL", "SETUSER", users[role], "on", ">pw", *rules)
+
+    def url(role: str) -> str:
+        return f"redis://{users[role]}:pw@127.0.0.1:{redis_cluster.ports[0]}/0"
+
+    try:
+        config = fast_config(cluster_namespace)
+        worker = Worker(make_engine(tiny_model), worker_connect(url("worker"), config), config)
+        with WorkerThread(worker):
+            client = Client(url("client"), namespace=cluster_namespace, **CLIENT)
+            jobs = [
+                client.submit(f"acl {s}", job_id=_ids(client, s, 1, "acl")[0], max_tokens=3)
+                for s in range(3)
+            ]
+            for job in jobs:
+                assert job.result(timeout=30).usage.completion_tokens == 3
+            client.close()
+        admin = connect(url("admin"))
+        fleet = FleetReader(admin, cluster_namespace).read()
+        assert fleet.dead_letters == 0 and DeadLetters(admin, cluster_namespace).count() == 0
+        assert any(m.name == "tiny" for m in fleet.models)
+        admin.close()
+    finally:
+        refused = [
+            entry
+            for node in nodes
+            for entry in node.acl_log(count=1000)
+            if entry.get("username") in users.values()
+        ]
+        for node in nodes:
+            node.acl_deluser(*users.values())
+    assert refused == []
