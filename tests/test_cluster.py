@@ -354,17 +354,24 @@ def test_a_durable_submit_returns_once_a_replica_holds_the_job(tmp_path: Path) -
             asyncio.run(submit())
 
 
-def test_the_async_client_spreads_jobs_over_the_shards_and_streams_them_back(
+def test_the_async_client_spreads_durable_jobs_over_the_shards_and_streams_them_back(
     tiny_model: Path,  # noqa: F811
     redis_cluster: LocalCluster,  # noqa: F811
     cluster_namespace: str,
 ) -> None:
+    """`AsyncClient.connect` finds the cluster behind a plain URL; its jobs (each returned
+    once a replica holds it) land in every shard and stream back merged, each one's events
+    from its own shard. The constructor, which opens no connection, points to `connect`."""
+    with pytest.raises(ValueError, match="AsyncClient.connect"):
+        AsyncClient(redis_cluster.seeds_url)
     requests = [{"prompt": f"fable {i}", "params": {"max_tokens": 8, **GREEDY}} for i in range(6)]
     config = fast_config(cluster_namespace)
     worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
 
     async def run() -> dict[str, list[Any]]:
-        client = await AsyncClient.connect(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+        client = await AsyncClient.connect(
+            redis_cluster.url, namespace=cluster_namespace, durable_submit=True, **CLIENT
+        )
         assert client.layout.count == 3
         jobs = await client.submit_many(
             make_request(r["prompt"], job_id=f"aj-{i}", **r["params"])
