@@ -73,6 +73,7 @@ from tokenq.protocol.connection import (
     connect,
     connect_async,
     keepalive_for,
+    redacted,
     version_tuple,
 )
 from tokenq.protocol.keys import Layout
@@ -391,6 +392,8 @@ def _own_pool_options(config: ClientConfig, url: str) -> dict[str, Any]:
 def _where(conn: Any) -> str:
     """The server a client talks to, for error messages: never its password."""
     kwargs = conn.connection_pool.connection_kwargs
+    if "cluster" in kwargs:  # a shard's connection (Cluster.bound): the node may change
+        return f"cluster {redacted(kwargs['cluster'].url)} slot {kwargs['slot']}"
     if kwargs.get("path"):
         return f"unix://{kwargs['path']} db {kwargs.get('db', 0)}"
     return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)} db {kwargs.get('db', 0)}"

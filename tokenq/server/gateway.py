@@ -415,10 +415,6 @@ async def _submit(request: Request, kind: str) -> Submitted:
         if isinstance(exc, QueueFull):
             raise BadRequest(str(exc), None, 429, "rate_limit_error", "queue_full") from None
         raise job_error(exc.code, exc.message) from None
-    except redis.RedisError:
-        if gate is not None and gate.admission is not None:  # on a cluster: counted apart
-            _background(app, limiter.settle(gate.admission, 0))
-        raise
     admission = None if gate is None else gate.admission
     if job.duplicate and admission is not None and admission.tokens:
         # Another request queued it first (between a cluster's RATE_ADMIT and SUBMIT),
