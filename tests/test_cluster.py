@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +39,12 @@ from tests.worker_support import (
 )
 from tokenq import cli
 from tokenq.bench.local_cluster import LocalCluster
-from tokenq.ops.dlq import DeadLetters
-from tokenq.ops.fleet import FleetCollector, FleetReader
+from tokenq.ops.fleet import FleetCollector
 from tokenq.producer.client import AsyncClient, Client, ClientConfig, Job, make_request
 from tokenq.producer.errors import JobFailed, NotReplicated, QueueFull, RedisUnavailable
 from tokenq.protocol import Keys, TokenEvent, decode_event
-from tokenq.protocol.acl import acl_rules
-from tokenq.protocol.connection import Cluster, cluster_seeds, connect
+from tokenq.protocol.acl import ROLES, acl_rules
+from tokenq.protocol.connection import Cluster, cluster_seeds, connect, version_tuple
 from tokenq.protocol.keys import Layout, shard_tags
 from tokenq.protocol.webhooks import COMPLETED_SEQ, DISPATCHERS
 from tokenq.server.auth import principal_id
@@ -69,6 +68,45 @@ def cluster_namespace(redis_cluster: LocalCluster) -> Any:  # noqa: F811
         node = redis_cluster.node(port)
         for key in node.scan_iter(match=f"{namespace}:*", count=1000):
             node.delete(key)
+
+
+class RoleUsers:
+    """An ACL user per role (tokenq/protocol/acl.py, `cluster=True`) for one namespace, on
+    every node of the cluster: `url(role)` connects as it, `refused()` lists what any node
+    refused them."""
+
+    def __init__(self, cluster: LocalCluster, namespace: str) -> None:
+        self.cluster = cluster
+        self.users = {role: f"tq-{role}-{namespace}" for role in ROLES}
+        self.nodes = [cluster.node(port) for port in cluster.ports]
+        version = version_tuple(self.nodes[0].info("server")["redis_version"])
+        for node in self.nodes:
+            for role, user in self.users.items():
+                models = ("tiny",) if role == "worker" else ()
+                rules = acl_rules(role, namespace, models, version, cluster=True).split()
+                node.execute_command("ACL", "SETUSER", user, "on", ">pw", *rules)
+
+    def url(self, role: str) -> str:
+        return f"redis://{self.users[role]}:pw@127.0.0.1:{self.cluster.ports[0]}/0"
+
+    def refused(self) -> list[tuple[str, str, str]]:
+        return [
+            (entry["username"], entry["reason"], entry["object"])
+            for node in self.nodes
+            for entry in node.acl_log(count=1000)
+            if entry.get("username") in self.users.values()
+        ]
+
+    def remove(self) -> None:
+        for node in self.nodes:
+            node.acl_deluser(*self.users.values())
+
+
+@pytest.fixture
+def roles(redis_cluster: LocalCluster, cluster_namespace: str) -> Iterator[RoleUsers]:  # noqa: F811
+    users = RoleUsers(redis_cluster, cluster_namespace)
+    yield users
+    users.remove()
 
 
 def _check_jobs(
@@ -358,19 +396,21 @@ def test_the_async_client_spreads_durable_jobs_over_the_shards_and_streams_them_
     tiny_model: Path,  # noqa: F811
     redis_cluster: LocalCluster,  # noqa: F811
     cluster_namespace: str,
+    roles: RoleUsers,
 ) -> None:
     """`AsyncClient.connect` finds the cluster behind a plain URL; its jobs (each returned
     once a replica holds it) land in every shard and stream back merged, each one's events
-    from its own shard. The constructor, which opens no connection, points to `connect`."""
+    from its own shard. The constructor, which opens no connection, points to `connect`.
+    The client and the worker run as their roles' ACL users: no node refuses them."""
     with pytest.raises(ValueError, match="AsyncClient.connect"):
         AsyncClient(redis_cluster.seeds_url)
     requests = [{"prompt": f"fable {i}", "params": {"max_tokens": 8, **GREEDY}} for i in range(6)]
     config = fast_config(cluster_namespace)
-    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    worker = Worker(make_engine(tiny_model), worker_connect(roles.url("worker"), config), config)
 
     async def run() -> dict[str, list[Any]]:
         client = await AsyncClient.connect(
-            redis_cluster.url, namespace=cluster_namespace, durable_submit=True, **CLIENT
+            roles.url("client"), namespace=cluster_namespace, durable_submit=True, **CLIENT
         )
         assert client.layout.count == 3
         jobs = await client.submit_many(
@@ -393,18 +433,21 @@ def test_the_async_client_spreads_durable_jobs_over_the_shards_and_streams_them_
     expected = reference_run(tiny_model, requests)
     for i, (_, final) in enumerate(expected):
         assert check_reply(seen[f"aj-{i}"]).done.token_ids == final.token_ids
+    assert roles.refused() == []
 
 
 def test_the_gateway_serves_the_openai_sdk_and_batches_with_per_key_limits_counted_apart(
     tiny_model: Path,  # noqa: F811
     redis_cluster: LocalCluster,  # noqa: F811
     cluster_namespace: str,
+    roles: RoleUsers,
     tmp_path: Path,
 ) -> None:
     """Through the official SDK: answers equal the engine's; an Idempotency-Key retry
     attaches to its job; a batch file runs to its end (its keys in one slot, its lines'
     jobs over the shards, metered against the key); a full lane is a 429 whose admission,
-    counted in a call of its own on the key's slot, was settled (no tokens or slot left)."""
+    counted in a call of its own on the key's slot, was settled (no tokens or slot left).
+    The gateway, the worker and the client run as their roles' ACL users."""
     key = f"sk-{uuid.uuid4().hex}"
     keys_file = tmp_path / "keys.txt"
     keys_file.write_text(f"{key} - rpm=100 tpm=100000 concurrent=2\n")
@@ -415,12 +458,12 @@ def test_the_gateway_serves_the_openai_sdk_and_batches_with_per_key_limits_count
     node.hset(f"{cluster_namespace}:worker:ghost", mapping={**ghost, "heartbeat_at": now})
     node.zadd(f"{cluster_namespace}:workers", {"ghost": int(now * 1000)})
     config = fast_config(cluster_namespace)
-    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    worker = Worker(make_engine(tiny_model), worker_connect(roles.url("worker"), config), config)
     requests = [{"prompt": "a river", "params": {"max_tokens": 6, **GREEDY}}]
     ((_, final),) = reference_run(tiny_model, requests)
     with WorkerThread(worker):
         gateway = GatewayProcess(
-            redis_cluster.url, cluster_namespace, tmp_path / "gw.log",
+            roles.url("gateway"), cluster_namespace, tmp_path / "gw.log",
             "--api-keys-file", str(keys_file), "--max-backlog", "3", "--batch-poll", "0.2",
         )  # fmt: skip
         try:
@@ -431,7 +474,7 @@ def test_the_gateway_serves_the_openai_sdk_and_batches_with_per_key_limits_count
                 extra_headers={"Idempotency-Key": "gw-1"},
             )  # fmt: skip
             answer, job_id = raw.parse(), raw.headers["x-tokenq-job-id"]
-            client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+            client = Client(roles.url("client"), namespace=cluster_namespace, **CLIENT)
             done = client.job(job_id).result(timeout=10)
             assert done.token_ids == final.token_ids and answer.choices[0].text == done.text
             again = sdk.completions.with_raw_response.create(
@@ -484,6 +527,7 @@ def test_the_gateway_serves_the_openai_sdk_and_batches_with_per_key_limits_count
         finally:
             gateway.close()
             node.close()
+    assert roles.refused() == []
 
 
 def _die_on_reclaim(client: Client, job: Job) -> None:
@@ -500,15 +544,17 @@ def test_inspect_the_exporter_and_dead_letter_replay_read_every_shard(
     tiny_model: Path,  # noqa: F811
     redis_cluster: LocalCluster,  # noqa: F811
     cluster_namespace: str,
+    roles: RoleUsers,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Two jobs die in two shards and one waits in a third: `inspect` and the exporter
     count them all, `dlq list` shows both dead letters newest first, `dlq replay` runs one
-    to its end in its own shard, `dlq purge` empties every shard's dead letters."""
+    to its end in its own shard, `dlq purge` empties every shard's dead letters. The
+    commands run as the admin role's ACL user, the worker as the worker's."""
     before = structlog.get_config()  # in-process workers log to stderr, not the output read
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.__stderr__))
-    where = ["--redis-url", redis_cluster.url, "--namespace", cluster_namespace]
-    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    where = ["--redis-url", roles.url("admin"), "--namespace", cluster_namespace]
+    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)  # makes the dead
     doomed = []
     for shard, tag in ((1, "dl-a"), (2, "dl-b")):
         (jid,) = _ids(client, shard, 1, tag)
@@ -517,7 +563,7 @@ def test_inspect_the_exporter_and_dead_letter_replay_read_every_shard(
     (waiting,) = _ids(client, 0, 1, "wait")
     client.submit("later", job_id=waiting, model="other", queue_anyway=True)
     config = fast_config(cluster_namespace)
-    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    worker = Worker(make_engine(tiny_model), worker_connect(roles.url("worker"), config), config)
     try:
         with WorkerThread(worker):
             for job in doomed:
@@ -530,7 +576,7 @@ def test_inspect_the_exporter_and_dead_letter_replay_read_every_shard(
             assert other["lanes"]["default"]["waiting"] == 1
             assert other["lanes"]["default"]["backlog"] == 1
             assert other["lanes"]["default"]["oldest"]["job_id"] == waiting
-            conn = connect(redis_cluster.url)
+            conn = connect(roles.url("admin"))
             gauges = {
                 (s.name, s.labels.get("model"), s.labels.get("lane")): s.value
                 for family in FleetCollector(conn, cluster_namespace).collect()
@@ -553,6 +599,7 @@ def test_inspect_the_exporter_and_dead_letter_replay_read_every_shard(
     finally:
         client.close()
         structlog.configure(**before)
+    assert roles.refused() == []
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -567,83 +614,39 @@ def test_the_webhook_dispatcher_delivers_every_shards_events_in_order_per_job(
     redis_cluster: LocalCluster,  # noqa: F811
     cluster_namespace: str,
     receiver: Callable[..., Receiver],  # noqa: F811
+    roles: RoleUsers,
     tmp_path: Path,
 ) -> None:
     """Jobs of every shard with a webhook: each shard's event stream is read by a loop of
     its own, each job's events arrive once and in order, and the job's state (`done`) is
-    kept in its shard, where PUBLISH keeps `last`."""
+    kept in its shard, where PUBLISH keeps `last`. The dispatcher, the worker and the
+    client run as their roles' ACL users."""
     secret = new_secret()
     hook = receiver(secret)
-    client = Client(redis_cluster.url, namespace=cluster_namespace, **CLIENT)
+    client = Client(roles.url("client"), namespace=cluster_namespace, **CLIENT)
     config = fast_config(cluster_namespace)
-    worker = Worker(make_engine(tiny_model), worker_connect(redis_cluster.url, config), config)
+    worker = Worker(make_engine(tiny_model), worker_connect(roles.url("worker"), config), config)
     extra = ("--first-backoff", "0.05", "--allow-private-webhooks")
     events = ["start", "completed"]
     with WorkerThread(worker):
-        with Dispatcher(redis_cluster.url, cluster_namespace, secret, tmp_path / "d.log", *extra):
+        log = tmp_path / "d.log"
+        with Dispatcher(roles.url("dispatcher"), cluster_namespace, secret, log, *extra):
             jobs = [
                 client.submit(f"hook {s}", job_id=_ids(client, s, 1, "wh")[0], max_tokens=3,
                               webhook=hook.url, webhook_events_filter=events, **GREEDY)
                 for s in range(3)
             ]  # fmt: skip
             wait_for(lambda: len(hook.completed()) == 3, timeout=30)
-    assert not hook.bad
+    assert not hook.bad and roles.refused() == []
+    node = RedisCluster.from_url(redis_cluster.url)  # the default user, to look
     for job in jobs:
         assert hook.completed()[job.id]["data"]["text"] == job.result(timeout=5).text
         mine = [w for w in hook.order if w.startswith(f"msg_{job.id}_")]
         assert mine == [f"msg_{job.id}_job.started", f"msg_{job.id}_job.completed"]
-        state = client.redis.hgetall(f"{client.keys_of(job.id).prefix}:hook:{job.id}")
+        state = node.hgetall(f"{client.keys_of(job.id).prefix}:hook:{job.id}")
         assert state[b"done"] == state[b"last"] == str(COMPLETED_SEQ).encode()
-    for stream in client.redis.smembers(client.keys.hook_streams):
-        assert client.redis.xlen(stream) == 0  # delivered: acknowledged and deleted
-        assert client.redis.xpending(stream, DISPATCHERS)["pending"] == 0
+    for stream in node.smembers(client.keys.hook_streams):
+        assert node.xlen(stream) == 0  # delivered: acknowledged and deleted
+        assert node.xpending(stream, DISPATCHERS)["pending"] == 0
+    node.close()
     client.close()
-
-
-def test_each_role_runs_within_its_cluster_acl_on_every_node(
-    tiny_model: Path,  # noqa: F811
-    redis_cluster: LocalCluster,  # noqa: F811
-    cluster_namespace: str,
-) -> None:
-    """ACL users made on every node from `acl_rules(..., cluster=True)`: a worker kept to
-    its model's keys of every shard, a client and an operator run jobs and read the fleet,
-    and no node's ACL log holds a refusal of theirs."""
-    roles = {"client": (), "worker": ("tiny",), "admin": ()}
-    users = {role: f"tq-{role}-{cluster_namespace}" for role in roles}
-    nodes = [redis_cluster.node(port) for port in redis_cluster.ports]
-    version = tuple(int(x) for x in nodes[0].info("server")["redis_version"].split(".")[:2])
-    for node in nodes:
-        for role, models in roles.items():
-            rules = acl_rules(role, cluster_namespace, models, version, cluster=True).split()
-            node.execute_command("ACL", "SETUSER", users[role], "on", ">pw", *rules)
-
-    def url(role: str) -> str:
-        return f"redis://{users[role]}:pw@127.0.0.1:{redis_cluster.ports[0]}/0"
-
-    try:
-        config = fast_config(cluster_namespace)
-        worker = Worker(make_engine(tiny_model), worker_connect(url("worker"), config), config)
-        with WorkerThread(worker):
-            client = Client(url("client"), namespace=cluster_namespace, **CLIENT)
-            jobs = [
-                client.submit(f"acl {s}", job_id=_ids(client, s, 1, "acl")[0], max_tokens=3)
-                for s in range(3)
-            ]
-            for job in jobs:
-                assert job.result(timeout=30).usage.completion_tokens == 3
-            client.close()
-        admin = connect(url("admin"))
-        fleet = FleetReader(admin, cluster_namespace).read()
-        assert fleet.dead_letters == 0 and DeadLetters(admin, cluster_namespace).count() == 0
-        assert any(m.name == "tiny" for m in fleet.models)
-        admin.close()
-    finally:
-        refused = [
-            entry
-            for node in nodes
-            for entry in node.acl_log(count=1000)
-            if entry.get("username") in users.values()
-        ]
-        for node in nodes:
-            node.acl_deluser(*users.values())
-    assert refused == []
