@@ -549,7 +549,8 @@ def test_inspect_the_exporter_and_dead_letter_replay_read_every_shard(
 ) -> None:
     """Two jobs die in two shards and one waits in a third: `inspect` and the exporter
     count them all, `dlq list` shows both dead letters newest first, `dlq replay` runs one
-    to its end in its own shard, `dlq purge` empties every shard's dead letters. The
+    to its end in its own shard (`result` reads it there), `dlq purge` empties every
+    shard's dead letters. The
     commands run as the admin role's ACL user, the worker as the worker's."""
     before = structlog.get_config()  # in-process workers log to stderr, not the output read
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.__stderr__))
@@ -592,6 +593,8 @@ def test_inspect_the_exporter_and_dead_letter_replay_read_every_shard(
             status, out, err = _run(capsys, "dlq", "replay", doomed[0].id, *where)
             assert status == 0, err
             assert doomed[0].result(timeout=30).finish_reason == "length"
+            status, out, _ = _run(capsys, "result", doomed[0].id, *where)
+            assert (status, out) == (0, doomed[0].result().text + "\n")
         status, out, _ = _run(capsys, "dlq", "purge", "--yes", *where)
         assert (status, out) == (0, "deleted 1 dead letter(s)\n")
         status, out, _ = _run(capsys, "inspect", "--json", *where)

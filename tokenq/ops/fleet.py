@@ -218,6 +218,7 @@ class FleetReader:
         stale_s: float = DEFAULT_STALE_S,
         rescan_s: float = DEFAULT_RESCAN_S,
     ) -> None:
+        self.conn = conn
         self.redis, self.layout = open_layout(conn, namespace)
         self.keys = Keys(namespace)
         self.stale_s = stale_s
@@ -228,6 +229,8 @@ class FleetReader:
     def read(self, entries: int = 100) -> Fleet:
         """The fleet now. `entries`: how many pending entries to list per consumer (with
         their job ids); 0 reads only the counts, as a scrape needs."""
+        if isinstance(self.conn, Cluster):  # the shard count, set by the first client since
+            self.layout = self.conn.layout(self.keys.namespace)
         clock = self.redis.time()
         if isinstance(clock, dict):  # a cluster's: every primary's; any one will do
             clock = next(iter(clock.values()))

@@ -282,7 +282,11 @@ async def connect_async(
     else:
         plain_url, nodes = seeds
         cluster = AsyncCluster(plain_url, nodes, options)
-        await cluster.redis.initialize()
+        try:
+            await cluster.redis.initialize()
+        except BaseException:  # no seed answered: nothing left open
+            await cluster.aclose()
+            raise
     log.info("redis cluster mode: %d primaries", len(cluster.primaries()))
     return cluster
 
