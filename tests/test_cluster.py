@@ -550,8 +550,8 @@ def test_inspect_the_exporter_and_dead_letter_replay_read_every_shard(
     """Two jobs die in two shards and one waits in a third: `inspect` and the exporter
     count them all, `dlq list` shows both dead letters newest first, `dlq replay` runs one
     to its end in its own shard (`result` reads it there), `dlq purge` empties every
-    shard's dead letters. The
-    commands run as the admin role's ACL user, the worker as the worker's."""
+    shard's dead letters. The commands run as the admin role's ACL user, the worker as
+    the worker's."""
     before = structlog.get_config()  # in-process workers log to stderr, not the output read
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.__stderr__))
     where = ["--redis-url", roles.url("admin"), "--namespace", cluster_namespace]
