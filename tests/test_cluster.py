@@ -17,12 +17,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 import structlog
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from tests.cluster_fixtures import redis_cluster  # noqa: F401
-from tests.faults import RedisServer
+from tests.faults import RedisServer, free_port
 from tests.test_gateway import GatewayProcess
 from tests.waits import wait_for
 from tests.webhook_support import Dispatcher, Receiver, receiver  # noqa: F401
@@ -150,6 +151,18 @@ def test_a_cluster_url_lists_seeds_and_forces_cluster_mode(
     conn = connect(redis_cluster.seeds_url)
     assert isinstance(conn.redis, RedisCluster)
     conn.close()
+
+
+def test_a_cluster_url_no_node_of_which_answers_is_one_line_naming_it_without_its_password(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = f"redis+cluster://u:secret@127.0.0.1:{free_port()}/"
+    with pytest.raises(redis.ConnectionError, match="no node of the Redis Cluster"):
+        connect(url)
+    for command in (["inspect"], ["submit", "hi"], ["dlq", "list"]):
+        status, out, err = _run(capsys, *command, "--redis-url", url)
+        assert status != 0 and out == "" and err.startswith("tokenq: cannot reach Redis at")
+        assert "secret" not in err and len(err.splitlines()) == 1
 
 
 def test_shard_tags_spread_over_the_slot_ranges_and_keep_one_slot_per_shard() -> None:

@@ -23,7 +23,6 @@ from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, start_http_server
-from redis.exceptions import RedisClusterException
 
 from tokenq.cli.client import event_json
 from tokenq.cli.options import (
@@ -505,8 +504,8 @@ def cmd_exporter(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
-    except RedisClusterException as exc:  # no seed of a redis+cluster:// URL answered
-        return _fail(f"cannot reach the Redis Cluster at {url}: {exc}", EXIT_NO_REDIS)
+    except redis.ConnectionError as exc:  # no seed of a redis+cluster:// URL answered
+        return _fail(f"cannot reach Redis at {url}: {exc}", EXIT_NO_REDIS)
     registry = CollectorRegistry()
     registry.register(
         FleetCollector(conn, args.namespace, stale_s=args.stale_after, rescan_s=args.rescan)

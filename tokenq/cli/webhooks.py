@@ -12,7 +12,6 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import RedisClusterException
 
 from tokenq.cli.options import EXIT_NO_REDIS, EXIT_USAGE, common_options, flag_option, option
 from tokenq.protocol import Keys
@@ -145,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(main())
-    except (redis.ConnectionError, OSError, RedisClusterException) as exc:
+    except (redis.ConnectionError, OSError) as exc:
         print(f"tokenq webhooks: Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
         return EXIT_NO_REDIS
     return 0

@@ -112,9 +112,18 @@ def connect(url: str = DEFAULT_REDIS_URL, **options: Any) -> redis.Redis | Clust
         log.info("redis cluster mode: %d primaries", len(cluster.primaries()))
         return cluster
     plain, nodes = seeds
-    cluster = Cluster(plain, nodes, options)
+    try:
+        cluster = Cluster(plain, nodes, options)
+    except RedisClusterException as exc:
+        raise _unreachable(url, exc) from exc
     log.info("redis cluster mode: %d primaries", len(cluster.primaries()))
     return cluster
+
+
+def _unreachable(url: str, exc: RedisClusterException) -> redis.ConnectionError:
+    """No seed of a `redis+cluster://` URL answered as a cluster: a ConnectionError, as an
+    unreachable server is, so that every caller says so in its one line."""
+    return redis.ConnectionError(f"no node of the Redis Cluster {redacted(url)} answered: {exc}")
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -284,9 +293,9 @@ async def connect_async(
         cluster = AsyncCluster(plain_url, nodes, options)
         try:
             await cluster.redis.initialize()
-        except BaseException:  # no seed answered: nothing left open
+        except RedisClusterException as exc:  # no seed answered: nothing left open
             await cluster.aclose()
-            raise
+            raise _unreachable(url, exc) from exc
     log.info("redis cluster mode: %d primaries", len(cluster.primaries()))
     return cluster
 
