@@ -814,7 +814,8 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
     """The gateway's app: OpenAI's routes, the Files and Batches API (tokenq/server/batch_api.py),
     the fleet's /metrics and the /dashboard page (tokenq/server/dashboard.py) unless
     `config.admin_port` serves them (`create_admin_app`), behind `Guard`; and
-    `app.state.client` (an AsyncClient), `app.state.redis` (its connection),
+    `app.state.client` (an AsyncClient), `app.state.redis` (its connection; on a Redis
+    Cluster, redis-py's asyncio `RedisCluster`, which routes each key to its node),
     `app.state.config` and `app.state.keys` (the KeyRing) for routers added later. Raises
     KeyFileError when the key file cannot be read."""
     config = config or GatewayConfig()
