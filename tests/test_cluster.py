@@ -459,8 +459,9 @@ def test_the_gateway_serves_the_openai_sdk_and_batches_with_per_key_limits_count
     """Through the official SDK: answers equal the engine's; an Idempotency-Key retry
     attaches to its job; a batch file runs to its end (its keys in one slot, its lines'
     jobs over the shards, metered against the key); a full lane is a 429 whose admission,
-    counted in a call of its own on the key's slot, was settled (no tokens or slot left).
-    The gateway, the worker and the client run as their roles' ACL users."""
+    counted in a call of its own on the key's slot, was settled (no tokens or slot left);
+    /metrics counts every shard's waiting jobs. The gateway, the worker and the client run
+    as their roles' ACL users."""
     key = f"sk-{uuid.uuid4().hex}"
     keys_file = tmp_path / "keys.txt"
     keys_file.write_text(f"{key} - rpm=100 tpm=100000 concurrent=2\n")
@@ -478,6 +479,7 @@ def test_the_gateway_serves_the_openai_sdk_and_batches_with_per_key_limits_count
         gateway = GatewayProcess(
             roles.url("gateway"), cluster_namespace, tmp_path / "gw.log",
             "--api-keys-file", str(keys_file), "--max-backlog", "3", "--batch-poll", "0.2",
+            "--admin-key", "ops-key",
         )  # fmt: skip
         try:
             sdk = openai.OpenAI(base_url=f"{gateway.base}/v1", api_key=key, max_retries=0)
@@ -536,6 +538,12 @@ def test_the_gateway_serves_the_openai_sdk_and_batches_with_per_key_limits_count
             tokens = {k: v for k, v in node.hgetall(rate).items() if k.startswith(b"t:")}
             assert tokens == {k: v for k, v in before.items() if k.startswith(b"t:")}
             assert node.zcard(running) == 0
+            # The fleet's gauges, read from every shard: the ghost's three waiting jobs.
+            ops = {"Authorization": "Bearer ops-key"}
+            for path in ("/metrics", "/dashboard/data"):
+                assert httpx.get(f"{gateway.base}{path}", headers=ops).status_code == 200
+            metrics = httpx.get(f"{gateway.base}/metrics", headers=ops).text
+            assert 'tokenq:queue_waiting{lane="default",model="ghost"} 3.0' in metrics
             client.close()
         finally:
             gateway.close()
