@@ -449,6 +449,43 @@ def test_the_async_client_spreads_durable_jobs_over_the_shards_and_streams_them_
     assert roles.refused() == []
 
 
+def test_the_async_client_follows_a_failover_without_a_restart(
+    redis_cluster: LocalCluster,  # noqa: F811
+    cluster_namespace: str,
+) -> None:
+    """kill -9 of the primary holding shard 0 under an AsyncClient with open connections:
+    its next submit to that shard waits out the failover and lands on the promoted replica,
+    and a job submitted durably before the kill (held by that replica) is still there. (A
+    durable submit after it waits for the old primary to come back as the new one's
+    replica: until then no replica can confirm it.)"""
+    victim = 0
+
+    async def run() -> None:
+        nonlocal victim
+        url, ns = redis_cluster.url, cluster_namespace
+        durable = await AsyncClient.connect(url, namespace=ns, durable_submit=True, **CLIENT)
+        client = await AsyncClient.connect(url, namespace=ns, **CLIENT)
+        before, after = _ids(client, 0, 2, "fo")  # type: ignore[arg-type]
+        await durable.submit("before", job_id=before)
+        assert await client.job(before).status() == "queued"  # connections to shard 0 open
+        slot = key_slot(client.layout.shards[0].prefix.encode())
+        victim = client.redis.nodes_manager.get_node_from_slot(slot).port
+        redis_cluster.kill(victim)
+        job = await client.submit("after", job_id=after)
+        assert victim not in redis_cluster.primaries()
+        assert await job.status() == "queued"
+        assert await client.job(before).status() == "queued"
+        await durable.aclose()
+        await client.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        if victim:
+            redis_cluster.start(victim)  # back as a replica of the new primary
+        redis_cluster.wait_healthy()
+
+
 def test_the_gateway_serves_the_openai_sdk_and_batches_with_per_key_limits_counted_apart(
     tiny_model: Path,  # noqa: F811
     redis_cluster: LocalCluster,  # noqa: F811
