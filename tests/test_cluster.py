@@ -388,8 +388,9 @@ def test_a_durable_submit_returns_once_a_replica_holds_the_job(tmp_path: Path) -
             wait_for(lambda: replica.client().info("replication")["master_link_status"] == "up")
 
             async def submit() -> None:
+                # Each WAIT up to 1 s: a replica on a loaded machine took over 200 ms to ack.
                 client = AsyncClient(
-                    primary.url, durable_submit=True, durable_wait_ms=200, retry_for=0.5, **CLIENT
+                    primary.url, durable_submit=True, durable_wait_ms=1000, retry_for=0.5, **CLIENT
                 )
                 job = await client.submit("hi", job_id="durable-1")
                 assert replica.client().get("tokenq:job:durable-1") == b"queued"
