@@ -67,10 +67,13 @@ from tokenq.protocol import (
 from tokenq.protocol.connection import (
     CLUSTER_CHANGES,
     DEFAULT_REDIS_URL,
+    AsyncCluster,
     Cluster,
     cluster_seeds,
     connect,
+    connect_async,
     keepalive_for,
+    redacted,
     version_tuple,
 )
 from tokenq.protocol.keys import Layout
@@ -391,6 +394,8 @@ def _own_pool_options(config: ClientConfig, url: str) -> dict[str, Any]:
 def _where(conn: Any) -> str:
     """The server a client talks to, for error messages: never its password."""
     kwargs = conn.connection_pool.connection_kwargs
+    if "cluster" in kwargs:  # a shard's connection (Cluster.bound): the node may change
+        return f"cluster {redacted(kwargs['cluster'].url)} slot {kwargs['slot']}"
     if kwargs.get("path"):
         return f"unix://{kwargs['path']} db {kwargs.get('db', 0)}"
     return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)} db {kwargs.get('db', 0)}"
@@ -856,9 +861,14 @@ class _TaskReader:
     """The async client's stream reader: as `_ThreadReader`, with a task in the event loop
     of the follower that started it."""
 
-    def __init__(self, conn: aioredis.Redis, config: ClientConfig) -> None:
+    def __init__(
+        self,
+        conn: aioredis.Redis,
+        config: ClientConfig,
+        transient: tuple[type[Exception], ...] = _TRANSIENT,
+    ) -> None:
         self.redis = conn
-        self.mux = _Multiplex(config, _where(conn))
+        self.mux = _Multiplex(config, _where(conn), transient)
         self.task: asyncio.Task[None] | None = None
 
     async def follow(
@@ -1262,7 +1272,8 @@ class AsyncJob:
         self, after: str = "0-0", timeout: float | None = None
     ) -> AsyncIterator[Event]:
         """As `Job.stream`."""
-        follow = self.client._reader.follow({self.client.keys.reply(self.id): after}, timeout)
+        shard = self.client._shard(self.id)
+        follow = shard.reader.follow({shard.keys.reply(self.id): after}, timeout)
         async with contextlib.aclosing(follow):  # stop following as soon as we stop
             async for _, event in follow:
                 yield event
@@ -1275,33 +1286,74 @@ class AsyncJob:
         return _result(self.id, last)
 
     async def cancel(self) -> None:
-        key, ttl = self.client.keys.cancel(self.id), self.client.config.job_ttl
-        await self.client._retrying(lambda: self.client.redis.set(key, b"1", ex=ttl))
+        shard, ttl = self.client._shard(self.id), self.client.config.job_ttl
+        key = shard.keys.cancel(self.id)
+        await self.client._retrying(lambda: shard.redis.set(key, b"1", ex=ttl))
 
     async def status(self) -> str:
-        key = self.client.keys.job(self.id)
-        value = await self.client._retrying(lambda: self.client.redis.get(key))
+        shard = self.client._shard(self.id)
+        key = shard.keys.job(self.id)
+        value = await self.client._retrying(lambda: shard.redis.get(key))
         return value.decode() if value else "unknown"
 
 
 class Gate(Protocol):
-    """A check that runs in SUBMIT's own script call, just before it, and may refuse it:
-    one round trip for both (the gateway's per-key limits, tokenq/server/ratelimit.py).
-    `script` takes the check's `keys` and `args`, then SUBMIT's arguments, and answers
-    {the check's answer, SUBMIT's answer}, or {the check's answer} when it refused."""
+    """A check that may refuse a submit (the gateway's per-key limits,
+    tokenq/server/ratelimit.py). On one server it runs in SUBMIT's own script call, just
+    before it: one round trip for both; `script` takes the check's `keys` and `args`, then
+    SUBMIT's arguments, and answers {the check's answer, SUBMIT's answer}, or {the check's
+    answer} when it refused. On a cluster its keys share no slot with the job's: `script`
+    is the check alone, run before SUBMIT with one more argument, 1 if the job `job_id`
+    exists already, else 0; the caller settles what it counted if SUBMIT then refuses."""
 
     script: Any
     keys: list[str]
     args: list[Any]
+    job_id: str
 
     def check(self, answer: Any) -> None:
         """The check's answer; raises when it refused the submit (nothing was queued)."""
         ...
 
 
+async def _fan_in_async(
+    follows: list[tuple[AsyncIterator[tuple[str, Event]], dict[str, Any]]],
+) -> AsyncIterator[tuple[str, Event, dict[str, Any]]]:
+    """`_fan_in` for asyncio: each shard's follower in a task of its own."""
+    out: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump(follow: AsyncIterator[tuple[str, Event]], by_key: dict[str, Any]) -> None:
+        try:
+            async with contextlib.aclosing(follow):  # type: ignore[type-var]
+                async for key, event in follow:
+                    await out.put((key, event, by_key))
+        except Exception as exc:
+            await out.put(exc)
+        finally:
+            await out.put(None)
+
+    tasks = [asyncio.get_running_loop().create_task(pump(*pair)) for pair in follows]
+    try:
+        live = len(tasks)
+        while live:
+            item = await out.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class AsyncClient:
     """The asyncio producer; same protocol, semantics and connection use as `Client`, its
-    stream reader a task in the event loop."""
+    stream readers tasks in the event loop. `AsyncClient(url)` opens one server without
+    a round trip; `await AsyncClient.connect(url)` also finds a Redis Cluster behind a
+    plain URL (one INFO, as `Client(url)` asks) and opens `redis+cluster://` URLs."""
 
     def __init__(
         self,
@@ -1311,19 +1363,63 @@ class AsyncClient:
     ) -> None:
         self.config = dataclasses.replace(config or ClientConfig(), **overrides)
         if isinstance(conn, str) and cluster_seeds(conn) is not None:
-            raise ValueError("AsyncClient does not run on a Redis Cluster yet: use Client")
+            raise ValueError("a Redis Cluster is opened with `await AsyncClient.connect(url)`")
         if isinstance(conn, str):
             options = _own_pool_options(self.config, conn)
             retry = AsyncRetry(NoBackoff(), 0)
             pool = aioredis.BlockingConnectionPool.from_url(conn, retry=retry, **options)
             conn = aioredis.Redis.from_pool(pool)
-        self.redis = conn
-        _check_binary(self.redis)
+        self._open(conn, 0)
+
+    @classmethod
+    async def connect(
+        cls, url: str = DEFAULT_REDIS_URL, config: ClientConfig | None = None, **overrides: Any
+    ) -> AsyncClient:
+        """A client for the server or Redis Cluster at `url` (docs/protocol.md, "Redis
+        Cluster"); on a cluster its jobs spread over the namespace's shards."""
+        client = cls.__new__(cls)
+        client.config = dataclasses.replace(config or ClientConfig(), **overrides)
+        conn = await connect_async(
+            url,
+            connection_pool_class=aioredis.BlockingConnectionPool,
+            retry=AsyncRetry(NoBackoff(), 0),
+            **_own_pool_options(client.config, url),
+        )
+        count = 0
+        if isinstance(conn, AsyncCluster):
+            count = await conn.shard_count(client.config.namespace, client.config.shards)
+        client._open(conn, count)
+        return client
+
+    def _open(self, conn: aioredis.Redis | AsyncCluster, count: int) -> None:
+        """Its shards: the one server, or `count` shards of a cluster."""
+        self.cluster = conn if isinstance(conn, AsyncCluster) else None
         self.keys = Keys(self.config.namespace)
-        self._reader = _TaskReader(self.redis, self.config)
-        self._submit = self.redis.register_script(source("submit"))
+        self.layout = Layout(self.config.namespace, count)
+        if self.cluster is None:
+            self.redis = conn
+            _check_binary(self.redis)
+            reader = _TaskReader(self.redis, self.config)
+            submit = self.redis.register_script(source("submit"))
+            self._shards = [_Shard(self.keys, self.redis, submit, reader)]
+        else:
+            self.redis = self.cluster.redis
+            self._shards = []
+            for keys in self.layout.shards:
+                bound = self.cluster.bound(keys.prefix)
+                submit = bound.register_script(source("submit"))
+                reader = _TaskReader(bound, self.config, _CLUSTER_TRANSIENT)
+                self._shards.append(_Shard(keys, bound, submit, reader))
+        self._reader = self._shards[0].reader
         self._routing = _Routing(self.config)
         self._closed = False
+
+    def _shard(self, job_id: str) -> _Shard:
+        return self._shards[self.layout.index(job_id)]
+
+    def keys_of(self, job_id: str) -> Keys:
+        """As `Client.keys_of`."""
+        return self._shard(job_id).keys
 
     async def submit(
         self,
@@ -1344,8 +1440,9 @@ class AsyncClient:
         queue_anyway: bool = False,
         gate: Gate | None = None,
     ) -> list[AsyncJob]:
-        """As `Client.submit_many`; with a `gate`, its check runs in the same script call,
-        before SUBMIT, and may refuse the submit (raising what its `check` raises)."""
+        """As `Client.submit_many`; with a `gate`, its check runs before SUBMIT (in the
+        same script call on one server) and may refuse the submit (raising what its
+        `check` raises)."""
         if self._closed:
             raise ClientClosed("submit on a closed client")
         reqs = _prepare(requests, self.config.limits)
@@ -1354,43 +1451,67 @@ class AsyncClient:
         if self._routing.needs_registry(reqs, queue_anyway):
             await self.models()
         models = self._routing.resolve(reqs, queue_anyway)
-        args = _submit_args(self.config, reqs, models)
-        hooks = _hook_streams(self.keys, reqs, models)
+        if gate is not None and self.cluster is not None:
+            await self._gate_apart(gate)
+            gate = None
+        duplicate = [False] * len(reqs)
+        for index, routed in _by_shard(self.layout, reqs, models).items():
+            group = [reqs[n] for n, _ in routed]
+            answer = await self._submit_to(self._shards[index], group, [m for _, m in routed], gate)
+            for (n, _), flag in zip(routed, _submitted(answer), strict=True):
+                duplicate[n] = flag
+        return [AsyncJob(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]  # type: ignore[arg-type]
+
+    async def _gate_apart(self, gate: Gate) -> None:
+        """On a cluster: the gate's check in a call of its own, told whether its job
+        exists (its keys and the job's lie in different slots)."""
+        shard = self._shard(gate.job_id)
+        key = shard.keys.job(gate.job_id)
+        exists = await self._retrying(lambda: shard.redis.exists(key))
+        args = [*gate.args, 1 if exists else 0]
+        gate.check(await self._retrying(lambda: gate.script(keys=gate.keys, args=args)))
+
+    async def _submit_to(
+        self, shard: _Shard, reqs: list[JobRequest], models: list[str], gate: Gate | None
+    ) -> Any:
+        hooks = _hook_streams(shard.keys, reqs, models)
         if hooks:
             await self._retrying(lambda: self.redis.sadd(self.keys.hook_streams, *hooks))
+        args = _submit_args(self.config, reqs, models, shard.keys.prefix, len(self._shards))
+        # On a cluster, a key named lets a node that no longer holds the slot say MOVED.
+        keys = [] if self.cluster is None else [shard.keys.prefix]
         if self.config.durable_submit:
-            script, keys = (self._submit, []) if gate is None else (gate.script, gate.keys)
+            script, keys = (shard.submit, keys) if gate is None else (gate.script, gate.keys)
             full = args if gate is None else [*gate.args, *args]
-            answer = await self._retrying(lambda: self._durably(script, keys, full, gate))
+            answer = await self._retrying(lambda: self._durably(shard, script, keys, full, gate))
             if gate is not None:
                 gate.check(answer[0])
                 answer = answer[1]
-        elif gate is None:
-            answer = await self._retrying(lambda: self._submit(args=args))
-        else:
-            both = await self._retrying(
-                lambda: gate.script(keys=gate.keys, args=[*gate.args, *args])
-            )
-            gate.check(both[0])
-            answer = both[1]
-        duplicate = _submitted(answer)
-        return [AsyncJob(r.job_id, self, d) for r, d in zip(reqs, duplicate, strict=True)]
+            return answer
+        if gate is None:
+            return await self._retrying(lambda: shard.submit(keys=keys, args=args))
+        both = await self._retrying(lambda: gate.script(keys=gate.keys, args=[*gate.args, *args]))
+        gate.check(both[0])
+        return both[1]
 
-    async def _durably(self, script: Any, keys: list[Any], args: list[Any], gate: Any) -> Any:
-        """As `Client._durably`, on one server (with a gate, its script's answer)."""
-        pool = self.redis.connection_pool
+    async def _durably(
+        self, shard: _Shard, script: Any, keys: list[Any], args: list[Any], gate: Any
+    ) -> Any:
+        """As `Client._durably` (with a gate, its script's answer)."""
+        pool = shard.redis.connection_pool
         conn = await pool.get_connection()
         try:
             try:
                 answer = await _call_on_async(conn, "EVALSHA", script.sha, len(keys), *keys, *args)
             except redis.exceptions.NoScriptError:
-                script.sha = await self.redis.script_load(script.script)
+                script.sha = await shard.redis.script_load(script.script)
                 answer = await _call_on_async(conn, "EVALSHA", script.sha, len(keys), *keys, *args)
             submitted = answer if gate is None else (answer[1] if len(answer) > 1 else None)
             if submitted is None or submitted[0] == b"full":
                 return answer  # nothing queued
             if not any(flag == 0 for flag in submitted[1]):  # only duplicates: see Client
-                await _call_on_async(conn, "SET", f"{self.keys.prefix}:durable", b"1", "EX", 60)
+                durable = f"{shard.keys.prefix}:durable"
+                await _call_on_async(conn, "SET", durable, b"1", "EX", 60)
             acked = int(await _call_on_async(conn, "WAIT", 1, self.config.durable_wait_ms))
         except redis.ResponseError:
             raise
@@ -1428,10 +1549,13 @@ class AsyncClient:
                 return await attempt()
             except _PERMANENT:
                 raise
-            except _TRANSIENT as exc:
+            except _CLUSTER_TRANSIENT as exc:
+                if self.cluster is None and not isinstance(exc, _TRANSIENT):
+                    raise  # one server answering so is refusing, not changing
                 await asyncio.sleep(budget.pause(exc))
             except redis.exceptions.ReadOnlyError as exc:  # as in `Client._retrying`
-                await self.redis.connection_pool.disconnect(inuse_connections=False)
+                if self.cluster is None:
+                    await self.redis.connection_pool.disconnect(inuse_connections=False)
                 await asyncio.sleep(budget.pause(exc))
 
     def job(self, job_id: str) -> AsyncJob:
@@ -1441,17 +1565,34 @@ class AsyncClient:
         self, jobs: Iterable[AsyncJob], timeout: float | None = None
     ) -> AsyncIterator[tuple[AsyncJob, Event]]:
         """As `Client.stream_many`."""
-        by_key = {self.keys.reply(j.id): j for j in jobs}
-        follow = self._reader.follow(dict.fromkeys(by_key, "0-0"), timeout)
-        async with contextlib.aclosing(follow):
-            async for key, event in follow:
+        by_shard: dict[int, dict[str, AsyncJob]] = {}
+        for j in jobs:
+            index = self.layout.index(j.id)
+            by_shard.setdefault(index, {})[self._shards[index].keys.reply(j.id)] = j
+        follows = [
+            (self._shards[index].reader.follow(dict.fromkeys(by_key, "0-0"), timeout), by_key)
+            for index, by_key in by_shard.items()
+        ]
+        if len(follows) == 1:
+            follow, by_key = follows[0]
+            async with contextlib.aclosing(follow):  # type: ignore[type-var]
+                async for key, event in follow:
+                    yield by_key[key], event
+            return
+        merged = _fan_in_async(follows)
+        async with contextlib.aclosing(merged):  # type: ignore[type-var]
+            async for key, event, by_key in merged:
                 yield by_key[key], event
 
     async def aclose(self) -> None:
         """As `Client.close`."""
         self._closed = True
-        await self._reader.aclose()
-        await self.redis.aclose()
+        for shard in self._shards:
+            await shard.reader.aclose()
+        if self.cluster is not None:
+            await self.cluster.aclose()
+        else:
+            await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -87,9 +87,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {"retry_for": args.retry_for}
     if args.max_backlog is not None:
         options["max_backlog"] = args.max_backlog
-    client = Client(args.redis_url, namespace=args.namespace, **options)
-    try:
-        with client:
+    try:  # opening a redis+cluster:// URL asks its nodes at once
+        with Client(args.redis_url, namespace=args.namespace, **options) as client:
             return _submit(client, args, prompt, params)
     except redis.ConnectionError as exc:
         print(f"tokenq: cannot reach Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)

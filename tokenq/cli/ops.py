@@ -52,7 +52,7 @@ from tokenq.protocol import (
     lane_of,
     quote,
 )
-from tokenq.protocol.connection import redacted
+from tokenq.protocol.connection import Cluster, connect, redacted
 
 RETRY_FOR = 5.0  # seconds a command rides out an unreachable Redis before it says so
 EXPORTER_PORT = 9310
@@ -204,9 +204,8 @@ def _fail(message: str, status: int) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     def body(client: Client) -> int:
         rescan = 0.0 if args.watch is None else max(10.0, 5 * args.watch)
-        reader = FleetReader(
-            client.redis, args.namespace, stale_s=args.stale_after, rescan_s=rescan
-        )
+        conn = client.cluster or client.redis
+        reader = FleetReader(conn, args.namespace, stale_s=args.stale_after, rescan_s=rescan)
         while True:
             fleet = reader.read(entries=args.entries)
             if args.json:
@@ -319,7 +318,7 @@ def _job_id(text: str) -> str:
 
 def _final_event(client: Client, job_id: str) -> Event | None:
     """The reply's terminal event if it is there (always the stream's last entry)."""
-    last = client.redis.xrevrange(client.keys.reply(job_id), "+", "-", count=1)
+    last = client.redis.xrevrange(client.keys_of(job_id).reply(job_id), "+", "-", count=1)
     if not last:
         return None
     event = decode_event(*last[0])
@@ -393,7 +392,10 @@ def _find(letters: DeadLetters, ref: str) -> DeadLetter:
 
 def _queue_label(client: Client, queue: str | None) -> str:
     """model/lane (and tenant) of a queue's key, for listings."""
-    where = client.keys.parse_queue(queue or "")
+    keys = client.keys
+    if client.layout.sharded and (queue or "").startswith(f"{keys.namespace}:{{"):
+        keys = client.layout.of_key(queue)  # type: ignore[arg-type]
+    where = keys.parse_queue(queue or "")
     if where is None:
         return queue or "?"
     model, priority, tenant = where
@@ -402,14 +404,13 @@ def _queue_label(client: Client, queue: str | None) -> str:
 
 def cmd_dlq_list(args: argparse.Namespace) -> int:
     def body(client: Client) -> int:
-        letters = DeadLetters(client.redis, args.namespace)
+        letters = DeadLetters(client.cluster or client.redis, args.namespace)
         total, newest = letters.count(), letters.newest(args.limit)
         if args.json:
             print(json.dumps({"count": total, "dead_letters": [d.summary() for d in newest]}))
             return 0
-        print(
-            f"{total} dead letter(s) in {client.keys.dead}" + (", newest first:" if total else "")
-        )
+        where = ", ".join(letters.streams)
+        print(f"{total} dead letter(s) in {where}" + (", newest first:" if total else ""))
         for d in newest:
             print(
                 f"  {d.id}  {_when(d.failed_at)}  job {d.job_id or '?'}  {d.code}  "
@@ -425,7 +426,7 @@ def cmd_dlq_list(args: argparse.Namespace) -> int:
 
 def cmd_dlq_show(args: argparse.Namespace) -> int:
     def body(client: Client) -> int:
-        letter = _find(DeadLetters(client.redis, args.namespace), args.ref)
+        letter = _find(DeadLetters(client.cluster or client.redis, args.namespace), args.ref)
         data = letter.to_json()
         if args.json:
             print(json.dumps(data, default=repr))
@@ -455,7 +456,7 @@ def cmd_dlq_show(args: argparse.Namespace) -> int:
 
 def cmd_dlq_replay(args: argparse.Namespace) -> int:
     def body(client: Client) -> int:
-        letters = DeadLetters(client.redis, args.namespace)
+        letters = DeadLetters(client.cluster or client.redis, args.namespace)
         letter = _find(letters, args.ref)
         config = ClientConfig(namespace=args.namespace)
         if args.max_backlog is not None:
@@ -467,7 +468,7 @@ def cmd_dlq_replay(args: argparse.Namespace) -> int:
         except QueueFull as exc:
             raise Failure(str(exc), EXIT_QUEUE_FULL) from None
         print(f"replayed job {letter.job_id} onto {queue} (dead letter {letter.id} removed)")
-        model = client.keys.parse_queue(queue)[0]  # type: ignore[index]
+        model = client.layout.of(letter.job_id or "").parse_queue(queue)[0]  # type: ignore[index]
         served = {n for m in client.models() for n in (m.id, *m.aliases)}
         if model not in served:
             print(f"note: no live worker serves {model} now: the job waits for one")
@@ -478,19 +479,19 @@ def cmd_dlq_replay(args: argparse.Namespace) -> int:
 
 def cmd_dlq_purge(args: argparse.Namespace) -> int:
     def body(client: Client) -> int:
-        letters = DeadLetters(client.redis, args.namespace)
-        newest = letters.newest(1)
-        if not newest:
-            print(f"no dead letters in {client.keys.dead}")
+        letters = DeadLetters(client.cluster or client.redis, args.namespace)
+        tops, where = letters.tops(), ", ".join(letters.streams)
+        if not tops:
+            print(f"no dead letters in {where}")
             return 0
         count = letters.count()
         if not args.yes:
             if not sys.stdin.isatty():
                 raise Failure(f"purge deletes {count} dead letter(s): confirm with --yes")
-            answer = input(f"Delete the {count} dead letter(s) in {client.keys.dead}? [y/N] ")
+            answer = input(f"Delete the {count} dead letter(s) in {where}? [y/N] ")
             if answer.strip().lower() not in ("y", "yes"):
                 raise Failure("purge not confirmed: nothing deleted")
-        deleted = letters.purge(newest[0].id)
+        deleted = letters.purge(tops)
         print(f"deleted {deleted} dead letter(s)")
         return 0
 
@@ -503,11 +504,13 @@ def cmd_dlq_purge(args: argparse.Namespace) -> int:
 def cmd_exporter(args: argparse.Namespace) -> int:
     url = redacted(args.redis_url)
     try:
-        conn = redis.Redis.from_url(
+        conn = connect(
             args.redis_url, socket_connect_timeout=2, socket_timeout=5, health_check_interval=30
         )
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
+    except redis.ConnectionError as exc:  # no seed of a redis+cluster:// URL answered
+        return _fail(f"cannot reach Redis at {url}: {exc}", EXIT_NO_REDIS)
     registry = CollectorRegistry()
     registry.register(
         FleetCollector(conn, args.namespace, stale_s=args.stale_after, rescan_s=args.rescan)
@@ -517,7 +520,7 @@ def cmd_exporter(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail(f"cannot serve on {args.addr}:{args.port}: {exc}", EXIT_USAGE)
     try:
-        conn.ping()
+        (conn.redis if isinstance(conn, Cluster) else conn).ping()
     except redis.RedisError as exc:
         print(
             f"tokenq exporter: Redis at {url} does not answer yet ({exc}): "

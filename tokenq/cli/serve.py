@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenq.cli.options import (
+    EXIT_NO_REDIS,
     EXIT_USAGE,
     common_options,
     durable_option,
@@ -174,6 +175,9 @@ def serve_main(argv: list[str]) -> int:
         parser = serve_parser()
     except ImportError as exc:
         return _not_installed(exc.name)
+    from redis import ConnectionError as Unreachable
+
+    from tokenq.protocol.connection import redacted
     from tokenq.server.auth import KeyFileError, Policy
     from tokenq.server.batch_api import BatchConfig
     from tokenq.server.gateway import GatewayConfig, serve
@@ -219,4 +223,8 @@ def serve_main(argv: list[str]) -> int:
     except KeyFileError as exc:
         print(f"tokenq serve: --api-keys-file: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Unreachable as exc:  # no seed of a redis+cluster:// URL answered
+        where = redacted(args.redis_url)
+        print(f"tokenq serve: cannot reach Redis at {where}: {exc}", file=sys.stderr)
+        return EXIT_NO_REDIS
     return 0

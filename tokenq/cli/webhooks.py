@@ -11,10 +11,11 @@ import sys
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 
 from tokenq.cli.options import EXIT_NO_REDIS, EXIT_USAGE, common_options, flag_option, option
 from tokenq.protocol import Keys
-from tokenq.protocol.connection import redacted
+from tokenq.protocol.connection import connect_async, redacted
 
 EXTRA = "pip install 'tokenq[webhooks]'"
 
@@ -129,9 +130,7 @@ def _run(args: argparse.Namespace) -> int:
     )
 
     async def main() -> None:
-        import redis.asyncio as aioredis
-
-        conn = aioredis.Redis.from_url(args.redis_url)
+        conn = await connect_async(args.redis_url)
         dispatcher = Dispatcher(conn, config)
         if args.metrics_port is not None:
             dispatcher.metrics.serve(args.metrics_port)
@@ -152,12 +151,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _with_redis(args: argparse.Namespace, work: Any) -> Any:
-    import redis.asyncio as aioredis
-
     async def main() -> Any:
-        conn = aioredis.Redis.from_url(args.redis_url)
-        try:
-            return await work(conn, Keys(args.namespace))
+        conn = await connect_async(args.redis_url)
+        try:  # the endpoints' keys are the namespace's own: any node of a cluster routes them
+            return await work(
+                conn if isinstance(conn, aioredis.Redis) else conn.redis, Keys(args.namespace)
+            )
         finally:
             await conn.aclose()
 

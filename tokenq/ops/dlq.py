@@ -18,10 +18,16 @@ without running it ("one terminal event per job"). So the replay, one script
 
 A client that followed the old reply saw its `error` and stopped; one that asks for the
 result after the replay reads the new reply from its start.
+
+On a Redis Cluster each shard has its dead letters (`<ns>:{<tag>}:dead`), beside the
+queues and jobs the script touches: they are listed newest first across the shards, a job
+id is looked up in its own shard, and `purge` trims each shard up to what it counted.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +44,8 @@ from tokenq.protocol import (
     lane_of,
     unpack,
 )
+from tokenq.protocol.connection import Cluster
+from tokenq.protocol.keys import Layout
 from tokenq.protocol.scripts import source
 
 PAGE = 100  # dead letters read per call while looking for a job id
@@ -64,6 +72,7 @@ class DeadLetter:
     entry_id: str  # its id there
     truncated: bool  # `fields` keeps a prefix of each original field only
     fields: dict[bytes, bytes]  # the original entry's fields (v, id, data)
+    stream: str = ""  # the dead-letter stream it is in (on a cluster, its shard's)
 
     @property
     def payload(self) -> Any:
@@ -108,7 +117,7 @@ def _text(value: bytes | None) -> str:
     return "" if value is None else value.decode("utf-8", errors="replace")
 
 
-def parse(entry_id: bytes, raw: dict[bytes, bytes]) -> DeadLetter:
+def parse(entry_id: bytes, raw: dict[bytes, bytes], stream: str = "") -> DeadLetter:
     try:
         fields = unpack(raw[b"fields"]) if b"fields" in raw else {}
     except Exception:  # a dead letter written by something else: show what there is
@@ -125,50 +134,82 @@ def parse(entry_id: bytes, raw: dict[bytes, bytes]) -> DeadLetter:
         entry_id=_text(raw.get(b"entry_id")),
         truncated=raw.get(b"truncated", b"0") == b"1",
         fields=fields if isinstance(fields, dict) else {},
+        stream=stream,
     )
 
 
-class DeadLetters:
-    """The dead-letter stream of one namespace."""
+def _id_key(letter: DeadLetter) -> tuple[int, int]:
+    ms, _, seq = letter.id.partition("-")
+    return int(ms), int(seq or 0)
 
-    def __init__(self, conn: redis.Redis, namespace: str = DEFAULT_NAMESPACE) -> None:
-        self.redis = conn
+
+class DeadLetters:
+    """The dead letters of one namespace: one stream on one server, one per shard on a
+    Redis Cluster (a `Cluster` given)."""
+
+    def __init__(self, conn: redis.Redis | Cluster, namespace: str = DEFAULT_NAMESPACE) -> None:
+        if isinstance(conn, Cluster):
+            self.redis: Any = conn.redis
+            self.layout = conn.layout(namespace)
+        else:
+            self.redis, self.layout = conn, Layout(namespace)
         self.keys = Keys(namespace)
-        self._replay = conn.register_script(source("replay"))
+        self._replay = self.redis.register_script(source("replay"))
+
+    @property
+    def streams(self) -> list[str]:
+        return [shard.dead for shard in self.layout.shards]
 
     def count(self) -> int:
-        return self.redis.xlen(self.keys.dead)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for stream in self.streams:
+                pipe.xlen(stream)
+            return sum(pipe.execute())
 
     def newest(self, limit: int) -> list[DeadLetter]:
-        rows = self.redis.xrevrange(self.keys.dead, "+", "-", count=limit)
-        return [parse(eid, raw) for eid, raw in rows]
+        letters = [
+            parse(eid, raw, stream)
+            for stream in self.streams
+            for eid, raw in self.redis.xrevrange(stream, "+", "-", count=limit)
+        ]
+        return sorted(letters, key=_id_key, reverse=True)[:limit]
 
     def find(self, ref: str) -> DeadLetter:
         """The dead letter with this entry id, else the newest one of this job id."""
         if ref.replace("-", "").isdigit() and ref.count("-") <= 1:
-            rows = self.redis.xrange(self.keys.dead, ref, ref)
-            if rows:
-                return parse(*rows[0])
+            found = [
+                parse(*rows[0], stream)
+                for stream in self.streams
+                if (rows := self.redis.xrange(stream, ref, ref))
+            ]
+            if len(found) > 1:  # two shards stamped the same id: the job id tells them apart
+                jobs = ", ".join(str(f.job_id) for f in found)
+                raise NotFound(f"dead letter id {ref} is in {len(found)} shards (jobs {jobs})")
+            if found:
+                return found[0]
+        stream = self.layout.of(ref).dead if self.layout.sharded else self.keys.dead
         end = "+"
         while True:
-            rows = self.redis.xrevrange(self.keys.dead, end, "-", count=PAGE)
+            rows = self.redis.xrevrange(stream, end, "-", count=PAGE)
             for eid, raw in rows:
                 if raw.get(b"job_id") == ref.encode():
-                    return parse(eid, raw)
+                    return parse(eid, raw, stream)
             if len(rows) < PAGE:
-                raise NotFound(f"no dead letter with id or job id {ref!r} in {self.keys.dead}")
+                where = "the dead letters" if self.layout.sharded else self.keys.dead
+                raise NotFound(f"no dead letter with id or job id {ref!r} in {where}")
             end = "(" + rows[-1][0].decode()
 
     def replay(self, letter: DeadLetter, config: ClientConfig | None = None) -> str:
         """Put the job back on its queue (see the module's docstring) under the lane caps
         and job TTL of `config`; returns the queue. Raises NotReplayable, QueueFull."""
         config = config or ClientConfig(namespace=self.keys.namespace)
+        k = self.layout.of_key(letter.stream) if letter.stream else self.keys
         if letter.truncated:
             raise NotReplayable(
                 f"dead letter {letter.id} is truncated (its entry was too large to keep "
                 "whole): it cannot be replayed; submit the job again"
             )
-        where = self.keys.parse_queue(letter.queue or "")
+        where = k.parse_queue(letter.queue or "")
         if where is None:
             raise NotReplayable(
                 f"dead letter {letter.id} came from {letter.queue or 'no known queue'}, "
@@ -183,11 +224,17 @@ class DeadLetters:
             ) from None
         if job.job_id is None or job.job_id != letter.job_id:
             raise NotReplayable(f"dead letter {letter.id} holds no job id to replay under")
+        if self.layout.sharded and self.layout.of(job.job_id) != k:
+            raise NotReplayable(
+                f"dead letter {letter.id}: job {job.job_id} was queued in another shard "
+                "than its id names (by hand?): submit the job again"
+            )
         model, priority, tenant = where
-        caps = [config.lane_cap(lane) for lane in LANES]
+        # On a cluster each shard's lanes hold their share of a cap, as the client's.
+        shares = len(self.layout.shards)
+        caps = [math.ceil(config.lane_cap(lane) / shares) for lane in LANES]
         jid = job.job_id
-        k = self.keys
-        args = [letter.id, k.namespace, config.job_ttl, *caps, jid, model, priority, tenant]
+        args = [letter.id, k.prefix, config.job_ttl, *caps, jid, model, priority, tenant]
         args.append(lane_of(priority))
         args += [letter.fields[b"v"], letter.fields[b"data"], job.weight]
         answer = self._replay(
@@ -205,10 +252,24 @@ class DeadLetters:
             raise QueueFull(int(have), int(cap), lane_b.decode(), model_b.decode())
         return k.queue(model, priority, tenant)
 
-    def purge(self, through: str) -> int:
+    def tops(self) -> dict[str, str]:
+        """Each dead-letter stream's newest entry id (streams with none left out): what
+        `purge` deletes up to."""
+        return {
+            stream: rows[0][0].decode()
+            for stream in self.streams
+            if (rows := self.redis.xrevrange(stream, "+", "-", count=1))
+        }
+
+    def purge(self, through: str | Mapping[str, str]) -> int:
         """Delete the dead letters up to and including entry id `through` (what was
-        counted before asking); those added since stay. Returns how many went."""
-        ms, _, seq = through.partition("-")
-        return self.redis.xtrim(
-            self.keys.dead, minid=f"{ms}-{int(seq or 0) + 1}", approximate=False
-        )
+        counted before asking; per stream, as `tops` gives it); those added since stay.
+        Returns how many went."""
+        if isinstance(through, str):
+            through = dict.fromkeys(self.streams, through)
+        deleted = 0
+        for stream, top in through.items():
+            ms, _, seq = top.partition("-")
+            minid = f"{ms}-{int(seq or 0) + 1}"
+            deleted += self.redis.xtrim(stream, minid=minid, approximate=False)
+        return deleted

@@ -7,6 +7,10 @@ read from the keys of docs/protocol.md; no worker needs to be asked.
 
 Ages are measured on Redis's clock (TIME), the clock that stamped the stream entry ids,
 so a reader on a machine with a skewed clock still reads them right.
+
+On a Redis Cluster (a `Cluster` given, tokenq/protocol/connection.py) a model's queues,
+backlog counters and dead letters are read from every shard and summed; the registry and
+metrics are the fleet's own keys, as on one server.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenq.protocol import DEFAULT_NAMESPACE, GROUP, LANES, Keys, lane_of
+from tokenq.protocol.connection import Cluster
+from tokenq.protocol.keys import Layout
 
 # A worker silent this long is not live (as `ClientConfig.worker_stale_s`).
 DEFAULT_STALE_S = 30.0
@@ -191,19 +197,29 @@ def _after(entry_id: bytes | str) -> str:
     return f"{ms}-{int(seq or 0) + 1}"
 
 
+def open_layout(conn: redis.Redis | Cluster, namespace: str) -> tuple[Any, Layout]:
+    """The connection that reaches any key (on a cluster, redis-py's `RedisCluster`) and
+    where the namespace's jobs live: one server, or the cluster's shards."""
+    if isinstance(conn, Cluster):
+        return conn.redis, conn.layout(namespace)
+    return conn, Layout(namespace)
+
+
 class FleetReader:
-    """Reads a `Fleet` from one Redis connection; keeps the model names it has found so
-    that a reader called every few seconds does not SCAN every time."""
+    """Reads a `Fleet` from one Redis connection (or a Redis Cluster, every shard); keeps
+    the model names it has found so that a reader called every few seconds does not SCAN
+    every time."""
 
     def __init__(
         self,
-        conn: redis.Redis,
+        conn: redis.Redis | Cluster,
         namespace: str = DEFAULT_NAMESPACE,
         *,
         stale_s: float = DEFAULT_STALE_S,
         rescan_s: float = DEFAULT_RESCAN_S,
     ) -> None:
-        self.redis = conn
+        self.conn = conn
+        self.redis, self.layout = open_layout(conn, namespace)
         self.keys = Keys(namespace)
         self.stale_s = stale_s
         self.rescan_s = rescan_s
@@ -213,7 +229,12 @@ class FleetReader:
     def read(self, entries: int = 100) -> Fleet:
         """The fleet now. `entries`: how many pending entries to list per consumer (with
         their job ids); 0 reads only the counts, as a scrape needs."""
-        seconds, micros = self.redis.time()
+        if isinstance(self.conn, Cluster):  # the shard count, set by the first client since
+            self.layout = self.conn.layout(self.keys.namespace)
+        clock = self.redis.time()
+        if isinstance(clock, dict):  # a cluster's: every primary's; any one will do
+            clock = next(iter(clock.values()))
+        seconds, micros = clock
         now = seconds + micros / 1e6
         workers = self._workers(now)
         live = [w for w in workers if w.live]
@@ -224,7 +245,10 @@ class FleetReader:
         serving = {n: sorted(w.consumer for w in live if n in w.names) for n in names}
         models = [Model(n, serving[n], lanes[n]) for n in sorted(names)]
         pending = self._pending(queues, {w.consumer for w in live}, entries)
-        dead = self.redis.xlen(self.keys.dead)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for shard in self.layout.shards:
+                pipe.xlen(shard.dead)
+            dead = sum(pipe.execute())
         hooks = self._webhooks()
         return Fleet(self.keys.namespace, round(now, 3), models, workers, pending, dead, hooks)
 
@@ -287,33 +311,31 @@ class FleetReader:
         """Names with queues or backlog counters, found by SCAN at most every rescan_s."""
         if time.monotonic() - self._scanned_at < self.rescan_s:
             return set(self._names)
-        ns = self.keys.namespace
         found = set()
-        queues = f"{ns}:queues:"
-        for key in self.redis.scan_iter(match=_glob_escape(queues) + "*", count=1000):
-            found.add(key.decode()[len(queues) :])
-        backlog = f"{ns}:backlog:"
-        for key in self.redis.scan_iter(match=_glob_escape(backlog) + "*", count=1000):
-            model, _, lane = key.decode()[len(backlog) :].rpartition(":")
-            if lane in LANES:
-                found.add(model)
+        for shard in self.layout.shards:
+            queues = f"{shard.prefix}:queues:"
+            for key in self.redis.scan_iter(match=_glob_escape(queues) + "*", count=1000):
+                found.add(key.decode()[len(queues) :])
+            backlog = f"{shard.prefix}:backlog:"
+            for key in self.redis.scan_iter(match=_glob_escape(backlog) + "*", count=1000):
+                model, _, lane = key.decode()[len(backlog) :].rpartition(":")
+                if lane in LANES:
+                    found.add(model)
         self._names, self._scanned_at = found, time.monotonic()
         return set(found)
 
     def _queues(self, names: list[str]) -> dict[str, list[tuple[str, str]]]:
-        """Per model, its queues as (stream key, lane)."""
+        """Per model, its queues (of every shard) as (stream key, lane)."""
+        pairs = [(name, shard) for name in names for shard in self.layout.shards]
         with self.redis.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.zrange(self.keys.queues(name), 0, -1)
+            for name, shard in pairs:
+                pipe.zrange(shard.queues(name), 0, -1)
             rows = pipe.execute()
-        out: dict[str, list[tuple[str, str]]] = {}
-        for name, members in zip(names, rows, strict=True):
-            out[name] = []
+        out: dict[str, list[tuple[str, str]]] = {name: [] for name in names}
+        for (name, shard), members in zip(pairs, rows, strict=True):
             for member in members:
                 priority, _, tenant = member.decode().partition(":")
-                out[name].append(
-                    (self.keys.queue(name, int(priority), tenant), lane_of(int(priority)))
-                )
+                out[name].append((shard.queue(name, int(priority), tenant), lane_of(int(priority))))
         return out
 
     def _lanes(
@@ -323,7 +345,8 @@ class FleetReader:
         with self.redis.pipeline(transaction=False) as pipe:
             for name in names:
                 for lane in LANES:
-                    pipe.get(self.keys.backlog(name, lane))
+                    for shard in self.layout.shards:
+                        pipe.get(shard.backlog(name, lane))
             for _, key, _ in flat:
                 pipe.xlen(key)
                 pipe.xinfo_groups(key)
@@ -332,9 +355,9 @@ class FleetReader:
         i = 0
         for name in names:
             for lane in LANES:
-                value = rows[i]
-                out[name][lane].backlog = int(value) if isinstance(value, bytes) else 0
-                i += 1
+                for value in rows[i : i + len(self.layout.shards)]:
+                    out[name][lane].backlog += int(value) if isinstance(value, bytes) else 0
+                i += len(self.layout.shards)
         heads: list[tuple[Lane, str, str]] = []  # (lane, queue, XRANGE start)
         for name, key, lane in flat:
             length, groups = rows[i], rows[i + 1]
@@ -466,7 +489,7 @@ class FleetCollector(Collector):
 
     def __init__(
         self,
-        conn: redis.Redis,
+        conn: redis.Redis | Cluster,
         namespace: str = DEFAULT_NAMESPACE,
         *,
         stale_s: float = DEFAULT_STALE_S,

@@ -14,6 +14,11 @@ and Redis's ACL log stays empty.
 - `admin`: `tokenq inspect`, `result`, `cancel`, `dlq`, `exporter`, `webhooks add/list/
   remove`.
 - `dispatcher`: `tokenq webhooks run`.
+
+On a Redis Cluster (`cluster=True`) every role also reads the cluster's layout (CLUSTER
+SLOTS, COMMAND: what redis-py's `RedisCluster` asks when it connects), and a worker's key
+patterns name the shards' keys too (`ns:{*}:jobs:<model>:*`, ...); `~ns:*` already
+covers them for the other roles. The rules go to every node (each keeps its own users).
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ ROLES = ("client", "worker", "gateway", "admin", "dispatcher")
 _CONNECTION = ("ping", "info", "client|setname")
 SETINFO = "client|setinfo"
 SETINFO_SINCE = (7, 2)
+# On a Redis Cluster: the slots' owners and the commands' key positions (redis-py asks both
+# when it connects and after a failover), and INFO's cluster section (allowed with INFO).
+CLUSTER = ("cluster|slots", "cluster|shards", "command")
 # Lua scripts: EVALSHA, loaded on NOSCRIPT (SCRIPT LOAD; a pipeline asks SCRIPT EXISTS).
 _SCRIPTS = ("evalsha", "eval", "script|load", "script|exists")
 _SUBMIT = ("exists", "get", "set", "zadd", "xadd", "incrby")  # submit.lua
@@ -136,10 +144,20 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _keys(namespace: str, role: str, models: Iterable[str]) -> list[str]:
+def _keys(namespace: str, role: str, models: Iterable[str], cluster: bool) -> list[str]:
     if role != "worker" or not models:
         return [f"~{namespace}:*"]
-    ns = namespace
+    patterns = _worker_keys(namespace, namespace, models)
+    if cluster:  # a shard's keys, `ns:{<tag>}:...`, the shard's prefix its scripts name
+        # (so that a node without the slot answers MOVED) and the namespace's shard count
+        patterns += _worker_keys(namespace + ":{*}", namespace, models)
+        patterns += [f"{namespace}:{{*}}", f"{namespace}:shards"]
+    return ["~" + p for p in dict.fromkeys(patterns)]
+
+
+def _worker_keys(ns: str, namespace: str, models: Iterable[str]) -> list[str]:
+    """A worker's key patterns under `ns` (a shard's prefix pattern on a cluster); the
+    fleet's own keys stay under `namespace`."""
     own = [
         pattern
         for model in models
@@ -150,8 +168,8 @@ def _keys(namespace: str, role: str, models: Iterable[str]) -> list[str]:
     ]  # fmt: skip
     jobs = [f"{ns}:{kind}:*" for kind in ("job", "reply", "cancel", "owner", "entry", "hook")]
     hooks = [f"{ns}:hooks:{model}:*" for model in models]
-    fleet = [f"{ns}:workers", f"{ns}:worker:*", f"{ns}:metrics:*", f"{ns}:dead"]
-    return ["~" + p for p in (*own, *hooks, *jobs, *fleet, f"{ns}:void", f"{ns}:jobs")]
+    fleet = [f"{namespace}:workers", f"{namespace}:worker:*", f"{namespace}:metrics:*"]
+    return [*own, *hooks, *jobs, *fleet, f"{ns}:dead", f"{ns}:void", f"{ns}:jobs"]
 
 
 def acl_rules(
@@ -159,16 +177,18 @@ def acl_rules(
     namespace: str,
     models: Iterable[str] = (),
     redis_version: tuple[int, ...] = SETINFO_SINCE,
+    cluster: bool = False,
 ) -> str:
     """A role's rules for `ACL SETUSER <user> on ><password> <rules>` (or an ACL file's
     `user` line): nothing but its keys and commands. `models`: a worker's served names,
     to keep it to their queues (else the whole namespace). `redis_version`: the server's
-    (an ACL naming a command it lacks is refused)."""
+    (an ACL naming a command it lacks is refused). `cluster`: for the nodes of a Redis
+    Cluster."""
     if role not in COMMANDS:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     setinfo = (SETINFO,) if redis_version >= SETINFO_SINCE else ()
-    commands = sorted({*COMMANDS[role], *setinfo})
+    commands = sorted({*COMMANDS[role], *setinfo, *(CLUSTER if cluster else ())})
     return " ".join(
-        ["resetkeys", "resetchannels", "-@all", *_keys(namespace, role, models)]
+        ["resetkeys", "resetchannels", "-@all", *_keys(namespace, role, models, cluster)]
         + [f"+{c}" for c in commands]
     )

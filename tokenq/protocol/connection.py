@@ -5,6 +5,7 @@ its password), and `connect`, the one function that opens a server or a Redis Cl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import threading
@@ -13,11 +14,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.connection import parse_url as parse_async_url
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url
 from redis.exceptions import RedisClusterException
 
-from tokenq.protocol.keys import shards_key
+from tokenq.protocol.keys import Layout, shards_key
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # `redis+cluster://h1:p1,h2:p2/` (or `rediss+cluster://`) forces cluster mode and may list
@@ -107,9 +112,18 @@ def connect(url: str = DEFAULT_REDIS_URL, **options: Any) -> redis.Redis | Clust
         log.info("redis cluster mode: %d primaries", len(cluster.primaries()))
         return cluster
     plain, nodes = seeds
-    cluster = Cluster(plain, nodes, options)
+    try:
+        cluster = Cluster(plain, nodes, options)
+    except RedisClusterException as exc:
+        raise _unreachable(url, exc) from exc
     log.info("redis cluster mode: %d primaries", len(cluster.primaries()))
     return cluster
+
+
+def _unreachable(url: str, exc: RedisClusterException) -> redis.ConnectionError:
+    """No seed of a `redis+cluster://` URL answered as a cluster: a ConnectionError, as an
+    unreachable server is, so that every caller says so in its one line."""
+    return redis.ConnectionError(f"no node of the Redis Cluster {redacted(url)} answered: {exc}")
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -150,6 +164,12 @@ class Cluster:
         if wanted and wanted != count:
             raise ValueError(f"namespace {namespace!r} is split into {count} shards, not {wanted}")
         return count
+
+    def layout(self, namespace: str) -> Layout:
+        """The namespace's shards as they stand, read only (a reader of the fleet writes
+        nothing): its setting, else one per primary, what the first client will write."""
+        count = self.redis.get(shards_key(namespace))
+        return Layout(namespace, int(count) if count else len(self.primaries()))
 
     def primaries(self) -> list[ClusterNode]:
         return self.redis.get_primaries()
@@ -237,4 +257,158 @@ class _ShardConnection(_Located, redis.Connection):
 
 
 class _SecureShardConnection(_Located, redis.SSLConnection):
+    pass
+
+
+# --- asyncio ---------------------------------------------------------------------------
+
+
+async def connect_async(
+    url: str = DEFAULT_REDIS_URL, **options: Any
+) -> aioredis.Redis | AsyncCluster:
+    """`connect` for asyncio: a `redis.asyncio.Redis` for one server (one INFO asks
+    whether it is a cluster node), an `AsyncCluster` for a node of a Redis Cluster or a
+    `redis+cluster://` URL."""
+    seeds = cluster_seeds(url)
+    if seeds is None:
+        pool_class = options.get("connection_pool_class", aioredis.ConnectionPool)
+        plain = {k: v for k, v in options.items() if k != "connection_pool_class"}
+        conn = aioredis.Redis.from_pool(pool_class.from_url(url, **plain))
+        try:
+            is_node = bool((await conn.info("cluster")).get("cluster_enabled"))
+        except redis.RedisError:
+            is_node = False  # as `is_cluster_node`: a silent server counts as a plain one
+        if not is_node:
+            return conn
+        cluster = AsyncCluster(url, [_host_port(url)], options)
+        try:
+            await cluster.redis.initialize()
+        except RedisClusterException as exc:  # as in `connect`: used as the one server
+            log.info("redis cluster node not usable as a cluster: %s", exc)
+            await cluster.aclose()
+            return conn
+        await conn.aclose()
+    else:
+        plain_url, nodes = seeds
+        cluster = AsyncCluster(plain_url, nodes, options)
+        try:
+            await cluster.redis.initialize()
+        except RedisClusterException as exc:  # no seed answered: nothing left open
+            await cluster.aclose()
+            raise _unreachable(url, exc) from exc
+    log.info("redis cluster mode: %d primaries", len(cluster.primaries()))
+    return cluster
+
+
+class AsyncCluster:
+    """`Cluster` for asyncio: `redis` (redis-py's asyncio `RedisCluster`) serves keys of
+    any slot; `bound(key)` is a `redis.asyncio.Redis` whose connections go to the primary
+    of that key's slot, looked up again after a failure."""
+
+    def __init__(self, url: str, seeds: list[tuple[str, int]], options: dict[str, Any]) -> None:
+        self.url = url
+        parsed = parse_async_url(url)
+        kwargs = {k: v for k, v in parsed.items() if k not in ("host", "port", "db")}
+        kwargs.update(options)
+        kwargs.pop("db", None)
+        self.options = kwargs
+        cluster_options = {k: v for k, v in kwargs.items() if k not in _POOL_ONLY}
+        if kwargs.get("connection_class") is aioredis.SSLConnection:
+            cluster_options["ssl"] = True
+        self.redis = AsyncRedisCluster(
+            startup_nodes=[AsyncClusterNode(host, port) for host, port in seeds],
+            **cluster_options,
+        )
+        self._lock = asyncio.Lock()
+        self.epoch = 0
+        self._stale = False
+        self._refreshed_at = time.monotonic()
+        self._bound: list[aioredis.Redis] = []
+
+    async def shard_count(self, namespace: str, wanted: int | None = None) -> int:
+        """As `Cluster.shard_count`."""
+        key = shards_key(namespace)
+        await self.redis.set(key, wanted or len(self.primaries()), nx=True)
+        count = int(await self.redis.get(key))
+        if wanted and wanted != count:
+            raise ValueError(f"namespace {namespace!r} is split into {count} shards, not {wanted}")
+        return count
+
+    def primaries(self) -> list[AsyncClusterNode]:
+        return self.redis.get_primaries()
+
+    async def primary_of(self, slot: int) -> tuple[str, int]:
+        """As `Cluster.primary_of`."""
+        async with self._lock:
+            await self.redis.initialize()  # nothing once the slots are known
+            now = time.monotonic()
+            if self._stale and now - self._refreshed_at >= REFRESH_EVERY_S:
+                self._refreshed_at = now
+                try:
+                    await self.redis.nodes_manager.initialize()
+                    self._stale = False
+                    self.epoch += 1
+                except redis.RedisError as exc:
+                    log.warning("redis cluster topology not refreshed: %s", exc)
+        node = self.redis.nodes_manager.get_node_from_slot(slot)
+        return node.host, int(node.port)
+
+    def bound(self, key: str, **options: Any) -> aioredis.Redis:
+        """As `Cluster.bound`."""
+        slot = self.redis.keyslot(key)
+        kwargs = {**self.options, **options}
+        secure = kwargs.pop("connection_class", None) is aioredis.SSLConnection
+        pool_class = kwargs.pop("connection_pool_class", aioredis.ConnectionPool)
+        located = _AsyncSecureShardConnection if secure else _AsyncShardConnection
+        kwargs["connection_class"] = located
+        kwargs["cluster"], kwargs["slot"] = self, slot
+        conn = aioredis.Redis.from_pool(pool_class(**kwargs))
+        self._bound.append(conn)
+        return conn
+
+    def failed(self) -> None:
+        self._stale = True
+
+    async def aclose(self) -> None:
+        for conn in self._bound:
+            await conn.aclose()
+        await self.redis.aclose()
+
+
+class _AsyncLocated:
+    """`_Located` for asyncio connections."""
+
+    def __init__(self, *, cluster: AsyncCluster, slot: int, **kwargs: Any) -> None:
+        self._cluster, self._slot, self._epoch = cluster, slot, -1
+        kwargs.setdefault("host", "unresolved")
+        super().__init__(**kwargs)  # type: ignore[call-arg]
+
+    async def _connect(self) -> Any:
+        self.host, self.port = await self._cluster.primary_of(self._slot)
+        self._epoch = self._cluster.epoch
+        try:
+            return await super()._connect()  # type: ignore[misc]
+        except OSError:
+            self._cluster.failed()
+            raise
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if self._epoch != self._cluster.epoch:
+            await self.disconnect()  # type: ignore[attr-defined]
+        await super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except (redis.ConnectionError, redis.exceptions.ReadOnlyError, *CLUSTER_CHANGES):
+            self._cluster.failed()
+            await self.disconnect()  # type: ignore[attr-defined]
+            raise
+
+
+class _AsyncShardConnection(_AsyncLocated, aioredis.Connection):
+    pass
+
+
+class _AsyncSecureShardConnection(_AsyncLocated, aioredis.SSLConnection):
     pass

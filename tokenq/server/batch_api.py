@@ -15,6 +15,12 @@ loses no batch: another gateway, or the same one back, takes it over and resumes
 | `ns:batches:active` | set | batches not in a final state: the runners' work list |
 | `ns:batch:<id>:lock` | string | the gateway running it (a token, expiring unless renewed) |
 
+On a Redis Cluster each key above starts `ns:{ns:hooks:batches}:` instead of `ns:`
+(`ns:{ns:hooks:batches}:file:<id>`): its hash tag is the name of the batch webhook stream,
+so they and that stream share one slot, and every script and transaction over them (a
+batch's end with its webhook event included) stays one atomic call, as on one server.
+Their storage is one primary's; the batches' jobs spread over the shards as any job's.
+
 Files and batches belong to the principal (tokenq/server/auth.py) that created them: any
 other's id is answered 404, as an id that does not exist. Files expire (`expires_after`,
 by default `DEFAULT_EXPIRY_S` after their creation, batch outputs as their batch's input)
@@ -104,33 +110,37 @@ class BatchConfig:
 
 
 class BatchKeys:
-    def __init__(self, namespace: str) -> None:
+    """The Files and Batches API's keys; `sharded` (a Redis Cluster): all in the slot of
+    the batch webhook stream (see the module's docstring)."""
+
+    def __init__(self, namespace: str, sharded: bool = False) -> None:
         self.ns = namespace
+        self.prefix = f"{namespace}:{{{Keys(namespace).batch_hooks}}}" if sharded else namespace
 
     def file(self, file_id: str) -> str:
-        return f"{self.ns}:file:{file_id}"
+        return f"{self.prefix}:file:{file_id}"
 
     def data(self, file_id: str) -> str:
-        return f"{self.ns}:file:{file_id}:data"
+        return f"{self.prefix}:file:{file_id}:data"
 
     def batch(self, batch_id: str) -> str:
-        return f"{self.ns}:batch:{batch_id}"
+        return f"{self.prefix}:batch:{batch_id}"
 
     def lock(self, batch_id: str) -> str:
-        return f"{self.ns}:batch:{batch_id}:lock"
+        return f"{self.prefix}:batch:{batch_id}:lock"
 
     def files(self, owner: str) -> str:
-        return f"{self.ns}:files:{owner}"
+        return f"{self.prefix}:files:{owner}"
 
     def sizes(self, owner: str) -> str:
-        return f"{self.ns}:files:{owner}:bytes"
+        return f"{self.prefix}:files:{owner}:bytes"
 
     def batches(self, owner: str) -> str:
-        return f"{self.ns}:batches:{owner}"
+        return f"{self.prefix}:batches:{owner}"
 
     @property
     def active(self) -> str:
-        return f"{self.ns}:batches:active"
+        return f"{self.prefix}:batches:active"
 
 
 def batch_event(batch_id: str, status: str, obj: dict[str, Any], owner: str) -> bytes:
@@ -252,7 +262,7 @@ async def store_meta(
     flat = [x for pair in fields.items() for x in pair]
     stored, used = await reserve(
         keys=[keys.files(owner), keys.sizes(owner), keys.file(file_id)],
-        args=[f"{keys.ns}:file:", file_id, size, quota, now, expires, *flat],
+        args=[keys.file(""), file_id, size, quota, now, expires, *flat],
     )
     return bool(stored), int(used)
 
@@ -331,8 +341,10 @@ class BatchRunner:
         self.config = config
         self.url = gateway.redis_url
         self.namespace = gateway.namespace
-        self.keys = BatchKeys(gateway.namespace)
-        self.redis = app.state.redis  # redis.asyncio
+        cluster = app.state.client.cluster
+        self.keys = BatchKeys(gateway.namespace, sharded=cluster is not None)
+        # redis.asyncio; on a cluster, a connection to the one slot of the keys above
+        self.redis = app.state.redis if cluster is None else cluster.bound(self.keys.prefix)
         self.token = secrets.token_hex(8)
         self.running: dict[str, asyncio.Task[None]] = {}
         self.wake = asyncio.Event()
@@ -391,6 +403,10 @@ class BatchRunner:
                 event = batch_event(batch_id, to, batch_object(batch_id, after), owner_of(h))
         hooks = Keys(self.namespace)
         keys = [self.keys.batch(batch_id), hooks.batch_hooks, hooks.webhook_endpoints]
+        if self.app.state.client.cluster is not None:  # the endpoints lie in another slot
+            if event and not await self.app.state.redis.exists(hooks.webhook_endpoints):
+                event = b""
+            keys.pop()
         return bool(await self.transition(keys=keys, args=[to, stamp, now, event, *sources]))
 
     async def _drive(self, batch_id: str) -> None:
@@ -445,12 +461,15 @@ class BatchRunner:
     async def _run(self, batch_id: str, h: dict[bytes, bytes]) -> str:
         """Run the batch's lines; the status it leaves the batch in."""
         content = await self.redis.get(self.keys.data(h[b"input_file_id"].decode())) or b""
-        conn = redis.Redis.from_url(self.url)
         client = Client(self.url, namespace=self.namespace, require_worker=False)
+        if client.cluster is None:
+            conn = metered = redis.Redis.from_url(self.url)
+        else:  # the batch's keys' slot, and every slot for its key's limits
+            conn, metered = client.cluster.bound(self.keys.prefix), client.redis
         owner = owner_of(h)
         tenant = h[b"tenant"].decode() if b"tenant" in h else None
         principal = Principal(owner, tenant, self.ring.policy_of(owner))
-        meter = SyncMeter(conn, self.namespace, principal)
+        meter = SyncMeter(metered, self.namespace, principal, client.layout)
         run = BatchRun(
             client,
             RedisSink(conn, self.keys, batch_id, h),
@@ -517,12 +536,12 @@ class BatchRunner:
     async def _cancel_all(self, batch_id: str, h: dict[bytes, bytes]) -> None:
         """Cancel every job the batch may have queued (its runner died while cancelling)."""
         content = await self.redis.get(self.keys.data(h[b"input_file_id"].decode())) or b""
-        keys = Keys(self.namespace)
-        async with self.redis.pipeline(transaction=False) as pipe:
+        client = self.app.state.client  # its keys_of: on a cluster, each job's shard
+        async with self.app.state.redis.pipeline(transaction=False) as pipe:
             for number, raw in input_lines(content):
                 with contextlib.suppress(LineError):
                     job_id = job_id_for(batch_id, parse_line(raw, number).custom_id)
-                    pipe.set(keys.cancel(job_id), b"1", ex=24 * 3600)
+                    pipe.set(client.keys_of(job_id).cancel(job_id), b"1", ex=24 * 3600)
             await pipe.execute()
 
     async def _seal(self, batch_id: str) -> None:
@@ -557,14 +576,14 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
     router = APIRouter(lifespan=lifespan)
 
     def keys_of(request: Request) -> BatchKeys:
-        return BatchKeys(request.app.state.config.namespace)
+        return request.app.state.batch_runner.keys
 
     def principal_of(request: Request) -> Principal:
         return request.state.principal
 
     async def own(request: Request, key: str) -> dict[bytes, bytes]:
         """A file's or batch's hash if it is the caller's; {} as for none."""
-        h = await request.app.state.redis.hgetall(key)
+        h = await request.app.state.batch_runner.redis.hgetall(key)
         return h if h and owner_of(h) == principal_of(request).id else {}
 
     @router.post("/v1/files")
@@ -601,7 +620,7 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
         )
         if not stored:
             return _error(_over_quota(quota, used))
-        conn = request.app.state.redis
+        conn = request.app.state.batch_runner.redis
         await conn.set(keys.data(file_id), content, exat=expires)
         return JSONResponse(file_object(file_id, await conn.hgetall(keys.file(file_id))))
 
@@ -618,7 +637,7 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
         if order not in ("asc", "desc"):
             return _error(BadRequest("order must be 'asc' or 'desc'", "order"))
         keys = keys_of(request)
-        conn = request.app.state.redis
+        conn = request.app.state.batch_runner.redis
         owned = keys.files(principal_of(request).id)
         ids = [
             i.decode()
@@ -658,7 +677,7 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
         keys = keys_of(request)
         if not await own(request, keys.file(file_id)):
             return _not_found("file", file_id)
-        content = await request.app.state.redis.get(keys.data(file_id)) or b""
+        content = await request.app.state.batch_runner.redis.get(keys.data(file_id)) or b""
         return Response(content, media_type="application/jsonl")
 
     @router.delete("/v1/files/{file_id}")
@@ -667,7 +686,7 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
         owner = principal_of(request).id
         if not await own(request, keys.file(file_id)):
             return _not_found("file", file_id)
-        async with request.app.state.redis.pipeline(transaction=True) as pipe:
+        async with request.app.state.batch_runner.redis.pipeline(transaction=True) as pipe:
             pipe.delete(keys.file(file_id), keys.data(file_id))
             pipe.zrem(keys.files(owner), file_id)
             pipe.hdel(keys.sizes(owner), file_id)
@@ -697,7 +716,7 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
         except BadRequest as exc:
             return _error(exc)
         keys = keys_of(request)
-        conn = request.app.state.redis
+        conn = request.app.state.batch_runner.redis
         meta = await own(request, keys.file(file_id)) if isinstance(file_id, str) else {}
         if not meta:
             return _not_found("file", str(file_id))
@@ -736,7 +755,7 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
         if not 1 <= limit <= 100:
             return _error(BadRequest("limit must be in [1, 100]", "limit"))
         keys = keys_of(request)
-        conn = request.app.state.redis
+        conn = request.app.state.batch_runner.redis
         owned = keys.batches(principal_of(request).id)
         start = 0
         if after is not None:
@@ -765,7 +784,7 @@ def batch_router(config: BatchConfig | None = None) -> APIRouter:
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> Response:
         keys = keys_of(request)
-        conn = request.app.state.redis
+        conn = request.app.state.batch_runner.redis
         runner: BatchRunner = request.app.state.batch_runner
         if not await own(request, keys.batch(batch_id)):
             return _not_found("batch", batch_id)

@@ -33,6 +33,7 @@ from starlette.concurrency import run_in_threadpool
 from tokenq.ops.dlq import DeadLetters
 from tokenq.ops.fleet import DEFAULT_STALE_S, Fleet, FleetCollector, FleetReader, RegisteredWorker
 from tokenq.protocol import DEFAULT_NAMESPACE, LANES
+from tokenq.protocol.connection import Cluster
 
 HISTORY_S = 600.0  # how far back the charts go
 SAMPLE_S = 1.0  # at most one chart point per this many seconds, however many viewers
@@ -179,7 +180,7 @@ class FleetView:
 
     def __init__(
         self,
-        conn: redis.Redis,
+        conn: redis.Redis | Cluster,
         namespace: str = DEFAULT_NAMESPACE,
         *,
         stale_s: float = DEFAULT_STALE_S,
@@ -272,7 +273,7 @@ class FleetView:
 
 
 def dashboard_router(
-    conn: redis.Redis,
+    conn: redis.Redis | Cluster,
     namespace: str = DEFAULT_NAMESPACE,
     *,
     stale_s: float = DEFAULT_STALE_S,

@@ -65,7 +65,7 @@ from tokenq.protocol import (
     quote,
     reply_seq,
 )
-from tokenq.protocol.connection import DEFAULT_REDIS_URL, redacted
+from tokenq.protocol.connection import DEFAULT_REDIS_URL, Cluster, connect, redacted
 from tokenq.server.auth import (
     ANONYMOUS,
     OPEN_POLICY,
@@ -418,14 +418,17 @@ async def _submit(request: Request, kind: str) -> Submitted:
         raise job_error(exc.code, exc.message) from None
     admission = None if gate is None else gate.admission
     if job.duplicate and admission is not None and admission.tokens:
-        await limiter.settle(admission, 0)  # another request queued it first, and pays
+        # Another request queued it first (between a cluster's RATE_ADMIT and SUBMIT),
+        # and pays; the slot both claimed under the job's id stays its.
+        admission.claimed = False
+        await limiter.settle(admission, 0)
     return Submitted(kwargs.get("model", ""), job, form, timeout, admission)
 
 
 async def _check_reply(client: AsyncClient, job: AsyncJob) -> None:
     """A retry after the job's reply expired (an hour after it ended) would wait forever."""
     if await job.status() in (DONE, ERROR) and not await client.redis.exists(
-        client.keys.reply(job.id)
+        client.keys_of(job.id).reply(job.id)
     ):
         raise BadRequest(
             f"job {job.id} ended and its reply has expired", None, 409, code="reply_expired"
@@ -591,7 +594,7 @@ async def _resume_point(request: Request, client: AsyncClient, job: AsyncJob) ->
 
 async def _ended_at(client: AsyncClient, job: AsyncJob, after: str) -> bool:
     """Whether the client already saw the job's final event (nothing more will come)."""
-    last = await client.redis.xrevrange(client.keys.reply(job.id), count=1)
+    last = await client.redis.xrevrange(client.keys_of(job.id).reply(job.id), count=1)
     if not last:
         return False
     entry_id, fields = last[0]
@@ -790,10 +793,11 @@ def openai_router() -> APIRouter:
     return router
 
 
-def _fleet_connection(config: GatewayConfig) -> redis.Redis:
+def _fleet_connection(config: GatewayConfig) -> redis.Redis | Cluster:
     """The fleet's readers are blocking (prometheus_client collects synchronously): their
-    own connection, run in the thread pool, with timeouts so a scrape never hangs."""
-    return redis.Redis.from_url(
+    own connection (on a Redis Cluster, to every shard), run in the thread pool, with
+    timeouts so a scrape never hangs."""
+    return connect(
         config.redis_url, socket_timeout=FLEET_TIMEOUT_S, socket_connect_timeout=FLEET_TIMEOUT_S
     )
 
@@ -811,7 +815,8 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
     """The gateway's app: OpenAI's routes, the Files and Batches API (tokenq/server/batch_api.py),
     the fleet's /metrics and the /dashboard page (tokenq/server/dashboard.py) unless
     `config.admin_port` serves them (`create_admin_app`), behind `Guard`; and
-    `app.state.client` (an AsyncClient), `app.state.redis` (its connection),
+    `app.state.client` (an AsyncClient), `app.state.redis` (its connection; on a Redis
+    Cluster, redis-py's asyncio `RedisCluster`, which routes each key to its node),
     `app.state.config` and `app.state.keys` (the KeyRing) for routers added later. Raises
     KeyFileError when the key file cannot be read."""
     config = config or GatewayConfig()
@@ -821,7 +826,7 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = AsyncClient(
+        client = await AsyncClient.connect(
             config.redis_url,
             namespace=config.namespace,
             block_ms=config.block_ms,
@@ -832,7 +837,9 @@ def create_app(config: GatewayConfig | None = None, batches: BatchConfig | None 
         )
         app.state.client = client
         app.state.redis = client.redis
-        app.state.limiter = RateLimiter(client.redis, config.namespace, client.config.job_ttl)
+        sharded = client.cluster is not None
+        limiter = RateLimiter(client.redis, config.namespace, client.config.job_ttl, sharded)
+        app.state.limiter = limiter
         app.state.endpoint_owners = EndpointOwners(client.redis, client.keys)
         app.state.leaving = set()
         hangup = _reload_on_hangup(ring)

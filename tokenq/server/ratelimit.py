@@ -14,6 +14,11 @@ context when the request sets none), and corrected to the job's real usage at it
   claim lapses;
 - `ns:gw:body:<job id>` (string): SHA-256 of the job its Idempotency-Key was first sent
   for (its submit arguments).
+
+On a Redis Cluster the job's keys lie in its shard's slot, not with these: the three are
+named `ns:gw:{<principal>}:rate`, `...:running` and `...:body:<job id>` (one slot per
+principal), RATE_ADMIT runs in a call of its own before SUBMIT (told whether the job
+exists), and the gateway settles what it counted when SUBMIT refuses (docs/security.md).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.cluster import RedisCluster
 
 from tokenq.protocol import JobRequest, Keys
+from tokenq.protocol.keys import Layout
 from tokenq.protocol.scripts import source
 from tokenq.server.auth import Policy, Principal
 from tokenq.server.openai_api import BadRequest
@@ -157,26 +164,36 @@ def _outcome(principal: Principal, job_id: str, tokens: int, answer: list[Any]) 
 
 
 class RateKeys:
-    def __init__(self, namespace: str) -> None:
+    """The keys of the per-key limits; `sharded` (a Redis Cluster): each principal's in a
+    slot of its own, without the job key (RATE_ADMIT is then told whether it exists)."""
+
+    def __init__(self, namespace: str, sharded: bool = False) -> None:
         self.ns = namespace
         self.jobs = Keys(namespace)
+        self.sharded = sharded
 
     def counts(self, principal: str) -> str:
+        if self.sharded:
+            return f"{self.ns}:gw:{{{principal}}}:rate"
         return f"{self.ns}:gw:rate:{principal}"
 
     def running(self, principal: str) -> str:
+        if self.sharded:
+            return f"{self.ns}:gw:{{{principal}}}:running"
         return f"{self.ns}:gw:running:{principal}"
 
-    def body(self, job_id: str) -> str:
+    def body(self, principal: str, job_id: str) -> str:
+        if self.sharded:
+            return f"{self.ns}:gw:{{{principal}}}:body:{job_id}"
         return f"{self.ns}:gw:body:{job_id}"
 
     def admit(self, principal: Principal, job_id: str) -> list[str]:
-        return [
+        keys = [
             self.counts(principal.id),
             self.running(principal.id),
-            self.body(job_id),
-            self.jobs.job(job_id),
+            self.body(principal.id, job_id),
         ]
+        return keys if self.sharded else [*keys, self.jobs.job(job_id)]
 
     def settle(self, principal: Principal) -> list[str]:
         return [self.counts(principal.id), self.running(principal.id)]
@@ -223,12 +240,16 @@ class AdmitGate:
 
 
 class RateLimiter:
-    """The gateway's side (redis.asyncio)."""
+    """The gateway's side (redis.asyncio); `sharded` on a Redis Cluster, where its gates
+    run RATE_ADMIT alone, before SUBMIT."""
 
-    def __init__(self, conn: aioredis.Redis, namespace: str, digest_ttl: int) -> None:
-        self.keys = RateKeys(namespace)
+    def __init__(
+        self, conn: aioredis.Redis, namespace: str, digest_ttl: int, sharded: bool = False
+    ) -> None:
+        self.keys = RateKeys(namespace, sharded)
         self.digest_ttl = digest_ttl
-        self.admit_submit = conn.register_script(source("admit_submit"))
+        admit = "rate_admit" if sharded else "admit_submit"
+        self.admit_submit = conn.register_script(source(admit))
         self._settle = conn.register_script(source("rate_settle"))
 
     def gate(
@@ -261,8 +282,16 @@ class SyncMeter:
     once: a batch's own bound is `max_outstanding`), for `BatchRun` (tokenq/batch/runner.py):
     a line waits for room instead of failing."""
 
-    def __init__(self, conn: redis.Redis, namespace: str, principal: Principal) -> None:
-        self.keys = RateKeys(namespace)
+    def __init__(
+        self,
+        conn: redis.Redis | RedisCluster,
+        namespace: str,
+        principal: Principal,
+        layout: Layout | None = None,
+    ) -> None:
+        self.redis = conn  # on a Redis Cluster (`layout` sharded), redis-py's RedisCluster
+        self.layout = layout or Layout(namespace)
+        self.keys = RateKeys(namespace, self.layout.sharded)
         self.principal = principal
         self.policy = Policy(
             requests_per_minute=principal.policy.requests_per_minute,
@@ -283,8 +312,12 @@ class SyncMeter:
         principal = Principal(self.principal.id, self.principal.tenant, self.policy)
         job_id = request.job_id or ""
         tokens = estimate_request(request) if self.policy.tokens_per_minute else 0
+        existed: list[int] = []
+        if self.layout.sharded:  # RATE_ADMIT is told whether the job exists (another slot)
+            key = self.layout.of(job_id).job(job_id)
+            existed = [int(bool(job_id) and self.redis.exists(key))]
         while True:
-            args = _admit_args(self.policy, job_id, tokens, 0, None, 0)
+            args = _admit_args(self.policy, job_id, tokens, 0, None, 0) + existed
             answer = self._admit(keys=self.keys.admit(principal, job_id), args=args)
             try:
                 admission = _outcome(principal, job_id, tokens, answer)

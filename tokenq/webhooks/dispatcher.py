@@ -2,7 +2,12 @@
 once, signed (Standard Webhooks), in order per job, retried with backoff until delivered or
 the retry time is spent. Any number of dispatchers share the consumer group `dispatchers`
 of every webhook event stream; one killed mid-delivery loses nothing: its entries stay
-pending and another takes them over (XAUTOCLAIM)."""
+pending and another takes them over (XAUTOCLAIM).
+
+On a Redis Cluster (an `AsyncCluster` given) the streams of one slot are read together, each
+slot by a read loop of its own (one XREADGROUP cannot span slots), and a job's state
+(`prev`, `done`) is kept in its stream's slot, where PUBLISH writes it: `<shard>:hook:<id>`;
+a batch's in the batch stream's (`ns:{ns:hooks:batches}:hook:<id>`)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from tokenq.protocol import DEFAULT_NAMESPACE, Keys, unpack
+from tokenq.protocol.connection import AsyncCluster
 from tokenq.protocol.scripts import source
 from tokenq.protocol.webhooks import BATCH_TYPES, DISPATCHERS, HookEvent
 from tokenq.webhooks import endpoints
@@ -74,8 +80,9 @@ class Target:
 
 
 class Dispatcher:
-    def __init__(self, conn: aioredis.Redis, config: DispatcherConfig) -> None:
-        self.redis = conn
+    def __init__(self, conn: aioredis.Redis | AsyncCluster, config: DispatcherConfig) -> None:
+        self.cluster = conn if isinstance(conn, AsyncCluster) else None
+        self.redis: Any = conn if self.cluster is None else self.cluster.redis
         self.config = config
         self.keys = Keys(config.namespace)
         self.metrics = DispatcherMetrics()
@@ -85,8 +92,10 @@ class Dispatcher:
             timeout=config.attempt_timeout_s,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
-        self._done = conn.register_script(source("hook_done"))
+        self._done = self.redis.register_script(source("hook_done"))
         self.streams: set[str] = set()
+        # On a cluster: the read loop of each slot that holds a stream (None: one loop)
+        self.readers: dict[int | None, asyncio.Task[None]] = {}
         self.gone: set[str] = set()  # jobs' URLs that answered 410 (reread with the streams)
         self.held: dict[tuple[str, bytes], asyncio.Task[None]] = {}
         self.slots: dict[str, asyncio.Semaphore] = {}
@@ -106,13 +115,14 @@ class Dispatcher:
             asyncio.create_task(self._every(self.config.discover_interval_s, self.discover)),
             asyncio.create_task(self._every(self.config.claim_idle_ms / 4000, self.reclaim)),
             asyncio.create_task(self._every(self.config.claim_idle_ms / 3000, self.keep)),
-            asyncio.create_task(self._read_loop()),
         ]
+        if self.cluster is None:
+            self.readers[None] = asyncio.create_task(self._read_loop(None))
         self.log.info("webhook dispatcher started", streams=len(self.streams))
         try:
             await self.stopping.wait()
         finally:
-            for task in loops:
+            for task in (*loops, *self.readers.values()):
                 task.cancel()
             await self.hand_back()
             await self.http.aclose()
@@ -142,9 +152,22 @@ class Dispatcher:
                 if "BUSYGROUP" not in str(exc):
                     raise
             self.streams.add(stream)
+            if self.cluster is not None:
+                slot = self.redis.keyslot(stream)
+                if slot not in self.readers:
+                    self.readers[slot] = asyncio.create_task(self._read_loop(slot))
 
-    async def _read_loop(self) -> None:
-        """New entries, as many as the dispatcher may hold."""
+    def state_key(self, stream: str, subject: str) -> str:
+        """Where a job's (or batch's) webhook state lives: beside its event stream."""
+        if self.cluster is None:
+            return self.keys.hook(subject)
+        if stream.startswith(f"{self.keys.namespace}:{{"):  # a shard's: PUBLISH's prefix
+            return f"{stream[: stream.index('}') + 1]}:hook:{subject}"
+        return f"{self.keys.namespace}:{{{stream}}}:hook:{subject}"
+
+    async def _read_loop(self, slot: int | None) -> None:
+        """New entries of the streams of `slot` (None: of every stream), as many as the
+        dispatcher may hold."""
         c = self.config
         while True:
             room = c.max_held - len(self.held)
@@ -153,10 +176,13 @@ class Dispatcher:
                 await self._room.wait()
                 continue
             try:
+                streams = sorted(
+                    s for s in self.streams if slot is None or self.redis.keyslot(s) == slot
+                )
                 reply = await self.redis.xreadgroup(
                     DISPATCHERS,
                     c.consumer,
-                    dict.fromkeys(sorted(self.streams), ">"),
+                    dict.fromkeys(streams, ">"),
                     count=min(room, 512),
                     block=c.block_ms,
                 )
@@ -242,11 +268,12 @@ class Dispatcher:
             await self.redis.xack(stream, DISPATCHERS, eid)
             return
         try:
+            state = self.state_key(stream, subject)
             if event.url is not None:  # endpoints hear a job's end alone: nothing before it
-                await self._in_turn(event, prev)
+                await self._in_turn(event, prev, state)
             await self._deliver(event)
             await self._done(
-                keys=[stream, self.keys.hook(subject)],
+                keys=[stream, state],
                 args=[DISPATCHERS, eid, seq, self.config.state_ttl_s],
             )
         except (aioredis.RedisError, OSError) as exc:
@@ -257,14 +284,14 @@ class Dispatcher:
         if waiter is not None:
             waiter.set()
 
-    async def _in_turn(self, event: HookEvent, prev: int) -> None:
+    async def _in_turn(self, event: HookEvent, prev: int, state: str) -> None:
         """Wait until the job's previous event is done (here or at another dispatcher), or
-        this event's retry time is spent."""
+        this event's retry time is spent; `state`: the job's webhook state key."""
         if prev < 0:
             return
         deadline = event.created + self.config.retry_for_s
         while time.time() < deadline:
-            done = await self.redis.hget(self.keys.hook(event.subject), "done")
+            done = await self.redis.hget(state, "done")
             if done is not None and int(done) >= prev:
                 return
             waiter = self.waiters.setdefault(event.subject, asyncio.Event())

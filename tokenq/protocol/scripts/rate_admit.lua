@@ -5,10 +5,12 @@
 -- the job an Idempotency-Key was first sent for. Nothing is counted unless all pass. A
 -- job that exists already (a retry attaching to it) costs a request, no tokens, no slot.
 -- KEYS: the key's counts (hash: "r:<second>" requests, "t:<second>" tokens), its running
---       jobs (sorted set), the digest of the job's request (string), the job key
+--       jobs (sorted set), the digest of the job's request (string), the job key (on a
+--       Redis Cluster, where the job key lies in another slot: absent)
 -- ARGV: requests a minute, tokens a minute, jobs at once (0: no limit), the request's
 --       tokens, job id, seconds a running claim lasts, the request's digest ("" for
---       none: no Idempotency-Key), how long the digest is kept (s)
+--       none: no Idempotency-Key), how long the digest is kept (s); without the job key,
+--       1 if the job exists (as its caller read it just before), else 0
 -- Reply: {"ok", second charged, requests, tokens (in the window, this one's included),
 --         ms until the counted requests and the counted tokens have all left it, 1 if
 --         the job existed}
@@ -21,7 +23,8 @@ if digest ~= '' then
   local seen = redis.call('GET', KEYS[3])
   if seen and seen ~= digest then return {'reused'} end
 end
-local existed = redis.call('EXISTS', KEYS[4]) == 1
+local existed
+if KEYS[4] then existed = redis.call('EXISTS', KEYS[4]) == 1 else existed = ARGV[9] == '1' end
 if existed then cost = 0 end
 local clock = redis.call('TIME')
 local sec = tonumber(clock[1])
