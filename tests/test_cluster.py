@@ -712,3 +712,21 @@ def test_the_webhook_dispatcher_delivers_every_shards_events_in_order_per_job(
         assert node.xpending(stream, DISPATCHERS)["pending"] == 0
     node.close()
     client.close()
+
+
+def test_the_webhooks_commands_keep_a_namespaces_endpoints_on_a_cluster(
+    roles: RoleUsers, cluster_namespace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tokenq webhooks add/list/remove` through any node, as the admin role: the
+    namespace's endpoints are one key, which the cluster routes."""
+    where = ["--redis-url", roles.url("admin"), "--namespace", cluster_namespace]
+    secret = ["--webhook-secret", new_secret()]
+    add = ["webhooks", "add", "https://hooks.example.com/tq", *where, *secret]
+    assert cli.main(add) == 0, capsys.readouterr().err
+    endpoint = json.loads(capsys.readouterr().out)
+    assert cli.main(["webhooks", "list", *where]) == 0
+    assert [e["id"] for e in json.loads(capsys.readouterr().out)] == [endpoint["id"]]
+    assert cli.main(["webhooks", "remove", endpoint["id"], *where]) == 0
+    assert cli.main(["webhooks", "list", *where]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    assert roles.refused() == []

@@ -20,6 +20,7 @@ import redis
 from prometheus_client import CollectorRegistry
 from standardwebhooks.webhooks import Webhook
 
+from tests.faults import free_port
 from tests.redis_fixtures import CLIENT, TEST_MODEL
 from tests.test_batch_api import jsonl, line, upload
 from tests.test_gateway import GatewayProcess
@@ -344,6 +345,10 @@ def test_the_cli_makes_secrets_and_endpoints_shown_once(
     monkeypatch.setenv("TOKENQ_WEBHOOK_SECRET", "not-a-secret")
     code, _, err = cli("run")
     assert code == 2 and "whsec_" in err and "not-a-secret" not in err
+    nowhere = ["--redis-url", f"redis://127.0.0.1:{free_port()}/0"]
+    assert main(["webhooks", "list", *nowhere]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenq webhooks: Redis at") and len(err.splitlines()) == 1
 
 
 def test_a_keys_endpoints_hear_its_jobs_and_batches_signed_with_their_own_secret(

@@ -56,16 +56,16 @@ def add_commands(sub: Any) -> None:
         help="comma-separated event types (job.completed, "
         "batch.completed, batch.failed, batch.cancelled, batch.expired)",
     )
-    add.set_defaults(run=_add)
+    add.set_defaults(run=_reaching_redis(_add))
 
     listing = cmds.add_parser("list", help="the namespace's endpoints (no secrets)")
     common_options(listing)
-    listing.set_defaults(run=_list)
+    listing.set_defaults(run=_reaching_redis(_list))
 
     remove = cmds.add_parser("remove", help="delete an endpoint")
     common_options(remove)
     remove.add_argument("endpoint_id")
-    remove.set_defaults(run=_remove)
+    remove.set_defaults(run=_reaching_redis(_remove))
 
     secret = cmds.add_parser("secret", help="print a fresh whsec_ secret for --webhook-secret")
     secret.set_defaults(run=_new_secret)
@@ -150,6 +150,22 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _NoRedis(Exception):
+    """Redis could not be reached: one line on stderr, exit 1 (no traceback)."""
+
+
+def _reaching_redis(command: Any) -> Any:
+    """`command`, answering exit 1 when Redis could not be reached (said in one line)."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except _NoRedis:
+            return EXIT_NO_REDIS
+
+    return run
+
+
 def _with_redis(args: argparse.Namespace, work: Any) -> Any:
     async def main() -> Any:
         conn = await connect_async(args.redis_url)
@@ -160,7 +176,11 @@ def _with_redis(args: argparse.Namespace, work: Any) -> Any:
         finally:
             await conn.aclose()
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except (redis.ConnectionError, OSError) as exc:
+        print(f"tokenq webhooks: Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
+        raise _NoRedis from None
 
 
 def _add(args: argparse.Namespace) -> int:
