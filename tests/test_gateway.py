@@ -852,7 +852,7 @@ def test_bench_gateway_runs(tmp_path: Path, redis_url: str) -> None:
         "--device", "cpu", "--dtype", "float32", "--num-threads", "1",
         "--redis-url", redis_url, "--port", str(free_port()), "--requests", "4",
         "--prompt-len", "8", "--gen", "4", "--latency-requests", "3", "--repeat", "1",
-        "--log", str(tmp_path / "gateway.log"),
+        "--log", str(tmp_path / "gateway.log"), "--no-warm-up",
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

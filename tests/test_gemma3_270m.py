@@ -5,7 +5,9 @@ prompts, one longer than its 512-token window, fed in chunks."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,16 +39,33 @@ def engine() -> LLMEngine:
     )
 
 
+def _plain_view_reader() -> type:
+    """gguf's reader with its file as a plain ndarray view, not a np.memmap: the same bytes
+    and parse, but without memmap's Python-level slicing hooks, which take most of its time
+    over the 262,144 tokenizer strings."""
+    import gguf
+
+    class PlainViewReader(gguf.GGUFReader):
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            if isinstance(self.data, np.memmap):
+                self.data = self.data.view(np.ndarray)
+            return super()._get(offset, dtype, count, override_order)
+
+    return PlainViewReader
+
+
 def transformers_from_gguf(path: str, config: ModelConfig) -> torch.nn.Module:
-    """transformers' own reading of the file, in one pass of its (slow: a minute here)
-    reader: the config it parses and the tensors it dequantizes, named for a model of our
-    config's shape; the two configs must agree."""
+    """transformers' own reading of the file, in one pass of its (slow: most of a minute
+    here) reader: the config it parses and the tensors it dequantizes, named for a model of
+    our config's shape; the two configs must agree."""
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     cached = functools.cache(gguf.get_tensor_name_map)  # a pure function called per module
-    original, gguf.get_tensor_name_map = gguf.get_tensor_name_map, cached
+    originals = gguf.get_tensor_name_map, gguf.GGUFReader
+    gguf.get_tensor_name_map, gguf.GGUFReader = cached, _plain_view_reader()
     try:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(
@@ -54,13 +73,14 @@ def transformers_from_gguf(path: str, config: ModelConfig) -> torch.nn.Module:
             )
         read = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
     finally:
-        gguf.get_tensor_name_map = original
+        gguf.get_tensor_name_map, gguf.GGUFReader = originals
     theirs = AutoConfig.for_model(**read["config"])
     for key in ("num_hidden_layers", "head_dim", "sliding_window", "layer_types"):
         assert getattr(theirs, key) == config.to_hf_config()[key], key
     assert theirs.rope_parameters["sliding_attention"]["rope_theta"] == config.local_rope_theta
     assert theirs.query_pre_attn_scalar == config.query_pre_attn_scalar
-    model = AutoModelForCausalLM.from_config(theirs, dtype=torch.float32)
+    with no_init_weights():  # every parameter is loaded below (asserted): no random init
+        model = AutoModelForCausalLM.from_config(theirs, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(read["tensors"], strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # tied to the embeddings
     model.tie_weights()

@@ -11,6 +11,7 @@ from tests.teacher_forcing import agreement, engine_logits, hf_logits
 from tokenq.bench.hf_reference import build_hf_model
 from tokenq.engine import EngineConfig, LLMEngine, SamplingParams
 from tokenq.engine.attention import AttentionMetadata
+from tokenq.engine.checkpoint import Checkpoint
 from tokenq.engine.loader import load_checkpoint, resolve_model
 
 pytestmark = pytest.mark.slow
@@ -41,8 +42,13 @@ def engine() -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def hf_model(engine: LLMEngine) -> torch.nn.Module:
-    checkpoint = load_checkpoint(resolve_model(DEFAULT_MODEL), torch.float32)
+def checkpoint() -> Checkpoint:
+    """The dequantized weights, read once for every transformers model built here."""
+    return load_checkpoint(resolve_model(DEFAULT_MODEL), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint: Checkpoint) -> torch.nn.Module:
     return build_hf_model(checkpoint.config, checkpoint.weights)
 
 
@@ -52,6 +58,10 @@ def chat_ids(engine: LLMEngine, text: str) -> list[int]:
 
 
 def test_greedy_tokens_equal_transformers_generate(engine: LLMEngine, hf_model) -> None:
+    """32 greedy tokens per prompt, batched and decoded step by step, are the tokens
+    transformers' greedy generate() makes: at each position of our continuation its top
+    token, given the same prefix, is ours, which by induction is generate()'s sequence.
+    One forward per prompt checks that, not generate()'s 32 sequential steps."""
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts = [chat_ids(engine, c) for c in CONVERSATIONS]
     for i, p in enumerate(prompts):
@@ -62,11 +72,11 @@ def test_greedy_tokens_equal_transformers_generate(engine: LLMEngine, hf_model) 
             if out.finished:
                 got[out.request_id] = out.token_ids
     for i, p in enumerate(prompts):
+        ours = got[f"p{i}"]
+        assert len(ours) == 32
         with torch.inference_mode():
-            ref = hf_model.generate(
-                torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False
-            )
-        assert got[f"p{i}"] == ref[0, len(p) :].tolist(), CONVERSATIONS[i]
+            logits = hf_model(torch.tensor([p + ours[:-1]])).logits[0, len(p) - 1 :]
+        assert logits.argmax(-1).tolist() == ours, CONVERSATIONS[i]
 
 
 def test_first_step_logits_within_1e3_relative(engine: LLMEngine, hf_model) -> None:
@@ -136,7 +146,9 @@ def bf16_engine() -> LLMEngine:
     )
 
 
-def test_bf16_teacher_forced_agreement_with_transformers_bf16(bf16_engine, hf_model) -> None:
+def test_bf16_teacher_forced_agreement_with_transformers_bf16(
+    bf16_engine: LLMEngine, hf_model: torch.nn.Module, checkpoint: Checkpoint
+) -> None:
     """Two 160-token windows of prose (320 positions), fed as a 64-token prefill chunk, a
     32-token chunk, a 5-token chunk and 59 single-token decodes, against transformers in
     bf16 (and in fp32) on the same weights.
@@ -154,7 +166,6 @@ def test_bf16_teacher_forced_agreement_with_transformers_bf16(bf16_engine, hf_mo
     assert len(ids) >= 320, len(ids)
     seqs = [ids[:160], ids[160:320]]
     ours = engine_logits(bf16_engine, seqs, [64, 32, 5] + [1] * 59)
-    checkpoint = load_checkpoint(resolve_model(DEFAULT_MODEL), torch.float32)
     hf16 = hf_logits(build_hf_model(checkpoint.config, checkpoint.weights, torch.bfloat16), seqs)
     hf32 = hf_logits(hf_model, seqs)
     vs_hf16 = agreement(hf16, ours)

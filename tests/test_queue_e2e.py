@@ -76,7 +76,7 @@ def test_bench_queue_reports_both_sides_and_how_busy_the_engine_was(
     cmd = [
         sys.executable, "-m", "tokenq.cli", "bench", "queue", "--model", str(model),
         "--num-threads", "1", "--redis-url", redis_url, "--requests", "4",
-        "--prompt-len", "8", "--gen", "4", "--repeat", "2",
+        "--prompt-len", "8", "--gen", "4", "--repeat", "2", "--no-warm-up",
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

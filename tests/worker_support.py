@@ -6,6 +6,8 @@ random Llama (real tokenizer), so a whole job takes milliseconds.
 
 from __future__ import annotations
 
+import copy
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -190,9 +192,34 @@ def check_reply(events: list[Event]) -> Reply:
     return reply
 
 
+_REFERENCES: dict[tuple[Any, ...], list] = {}
+
+
 def reference_run(model: Path | str, requests: list[dict[str, Any]], **engine_kw: Any) -> list:
     """The same requests straight into a fresh engine, all at once: (per-step deltas of
-    each request, its final output)."""
+    each request, its final output). A clean run is deterministic and several tests check
+    their jobs against the same one, so each is computed once per process (keyed by the
+    model's files, the requests and the engine options) and handed out as a copy."""
+    key = (
+        str(model),
+        _files_of(Path(model)),
+        json.dumps(requests, sort_keys=True, default=repr),
+        json.dumps(engine_kw, sort_keys=True, default=repr),
+    )
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _run_alone(model, requests, **engine_kw)
+    return copy.deepcopy(_REFERENCES[key])
+
+
+def _files_of(model: Path) -> tuple[Any, ...]:
+    """Each file's name, size and modification time: a rewritten file is another model
+    (nothing for a model name that is not a path)."""
+    paths = sorted(model.rglob("*")) if model.is_dir() else [model]
+    files = [p for p in paths if p.is_file()]
+    return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+
+
+def _run_alone(model: Path | str, requests: list[dict[str, Any]], **engine_kw: Any) -> list:
     engine = make_engine(model, **engine_kw)
     for i, req in enumerate(requests):
         req = dict(req)

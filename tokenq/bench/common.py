@@ -32,6 +32,17 @@ def add_engine_options(ap: argparse.ArgumentParser, *, skip: Collection[str] = (
     ap.set_defaults(engine_options=names)
 
 
+def add_warm_up_option(ap: argparse.ArgumentParser) -> None:
+    """`--no-warm-up`, for smoke runs (the tests'): every step is still taken once, timed,
+    so the figures then include each shape's first-step costs."""
+    ap.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="skip the warm-up runs (a smoke test: the figures then count first steps)",
+    )
+
+
 def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
     """The engine of the flags given, then `options` (any EngineConfig field). Prefix
     caching is off: a benchmark sends the same prompts more than once (warm-up, repeats),

@@ -14,7 +14,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tokenq.bench.common import GREEDY, WARM_UP, add_engine_options, engine_from, warm_up
+from tokenq.bench.common import (
+    GREEDY,
+    WARM_UP,
+    add_engine_options,
+    add_warm_up_option,
+    engine_from,
+    warm_up,
+)
 from tokenq.bench.queue import (
     BENCH_NAME,
     RunResult,
@@ -269,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="latency: a gateway with an API key and limits against one without (port + 1)",
     )
+    add_warm_up_option(ap)
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
@@ -298,9 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     gateway_runs: list[RunResult] = []
     pairs: list[tuple[float, float]] = []
     try:
-        warm_up(engine, workload.prompts)
-        run_queue(engine, conn, namespace, workload.prompts, WARM_UP, _client_process)
-        run_queue(engine, conn, namespace, workload.prompts, WARM_UP, sdk_side)
+        if args.warm_up:
+            warm_up(engine, workload.prompts)
+            run_queue(engine, conn, namespace, workload.prompts, WARM_UP, _client_process)
+            run_queue(engine, conn, namespace, workload.prompts, WARM_UP, sdk_side)
         for _ in range(args.repeat):  # alternating, so drifting machine load hits both sides
             direct_runs.append(
                 run_queue(engine, conn, namespace, workload.prompts, params, _client_process)

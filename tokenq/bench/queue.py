@@ -18,7 +18,14 @@ from typing import Any
 
 import redis
 
-from tokenq.bench.common import GREEDY, WARM_UP, add_engine_options, engine_from, warm_up
+from tokenq.bench.common import (
+    GREEDY,
+    WARM_UP,
+    add_engine_options,
+    add_warm_up_option,
+    engine_from,
+    warm_up,
+)
 from tokenq.producer.client import Client, make_request
 from tokenq.protocol import DoneEvent, ErrorEvent, TokenEvent
 from tokenq.protocol.connection import DEFAULT_REDIS_URL
@@ -294,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         "decodes text beside the engine's thread, and this shows what the queue costs "
         "beyond that",
     )
+    add_warm_up_option(ap)
     args = ap.parse_args(argv)
 
     configure_logging(json=False, level="warning")
@@ -308,8 +316,9 @@ def main(argv: list[str] | None = None) -> None:
     queues: list[RunResult] = []
     clock = StepClock(engine)
     try:
-        warm_up(engine, workload.prompts)
-        run_queue(engine, conn, namespace, workload.prompts, WARM_UP, **interval)
+        if args.warm_up:
+            warm_up(engine, workload.prompts)
+            run_queue(engine, conn, namespace, workload.prompts, WARM_UP, **interval)
         for _ in range(args.repeat):  # alternating, so drifting machine load hits both sides
             directs.append(clock.time(lambda: run_direct(engine, workload.prompts, direct_params)))
             queues.append(
