@@ -155,10 +155,11 @@ static void decode_block(int qtype, const uint8_t *row, int64_t b, int16_t q[QK]
 #undef ISA
 #undef DOT2_S16
 
-/* out[m, n] = x[m, k] . dequant(w)[n, k]; `vnni` picks vpdpwssd (the caller has checked the
- * CPU has it). Returns -1 where the scratch for the quantized activations cannot be had. */
+/* out[m, n] = x[m, k] . dequant(w)[n, k], out's rows ldo apart (a column slice of a wider
+ * output); `vnni` picks vpdpwssd (the caller has checked the CPU has it). Returns -1 where
+ * the scratch for the quantized activations cannot be had. */
 int quant_matmul_f32(int qtype, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
-                     float *out, int vnni)
+                     float *out, int64_t ldo, int vnni)
 {
     const int64_t nb = k / QK;
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)(m * k));
@@ -171,10 +172,10 @@ int quant_matmul_f32(int qtype, const uint8_t *w, int64_t n, int64_t k, const fl
     float *xs = xd + m * nb;
     if (vnni) {
         quantize_rows_vnni(x, m, k, xq, xd, xs);
-        quant_matmul_vnni(qtype, w, n, k, xq, xd, xs, m, out);
+        quant_matmul_vnni(qtype, w, n, k, xq, xd, xs, m, out, ldo);
     } else {
         quantize_rows_avx2(x, m, k, xq, xd, xs);
-        quant_matmul_avx2(qtype, w, n, k, xq, xd, xs, m, out);
+        quant_matmul_avx2(qtype, w, n, k, xq, xd, xs, m, out, ldo);
     }
     free(xq);
     free(xd);

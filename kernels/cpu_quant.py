@@ -111,15 +111,22 @@ def _fn(name: str):
 def quant_matmul(
     x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ dequantize(w).T`` for float32 ``x [m, cols]``, x in int16 per block of 32."""
+    """``x @ dequantize(w).T`` for float32 ``x [m, cols]``, x in int16 per block of 32.
+    ``out`` may be a column slice of a wider float32 output (rows contiguous, any row
+    stride), so the parts of a layer stacked by rows write one output."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.cols:
         raise ValueError(f"x must be float32 [m, {w.cols}], got {x.dtype} {list(x.shape)}")
     x = x.contiguous()
     n = w.data.shape[0]
     if out is None:
         out = torch.empty(x.shape[0], n)
-    elif out.shape != (x.shape[0], n) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous float32 [{x.shape[0]}, {n}]")
+    elif (
+        out.shape != (x.shape[0], n)
+        or out.dtype != torch.float32
+        or out.stride(1) != 1
+        or out.stride(0) < n
+    ):
+        raise ValueError(f"out must be float32 [{x.shape[0]}, {n}] with contiguous rows")
     if x.shape[0]:
         status = _fn("quant_matmul_f32")(
             w.qtype,
@@ -129,6 +136,7 @@ def quant_matmul(
             x.data_ptr(),
             x.shape[0],
             out.data_ptr(),
+            out.stride(0),
             int(isa() == "avx512_vnni"),
         )
         if status:

@@ -211,10 +211,10 @@ ISA(decode_rows)(const int qtype, const uint8_t *w, int64_t wrows, int64_t k, ui
         }
 }
 
-/* `wrows` rows of w (from its row w0, the output's column out0) against all m rows of x, in
- * tiles, for one format. */
+/* `wrows` rows of w (from its row w0, the output's column out0, rows ldo apart) against all
+ * m rows of x, in tiles, for one format. */
 ISA_ATTR static inline __attribute__((always_inline)) void
-ISA(chunk)(const int qtype, const uint8_t *w0, int64_t wrows, int64_t n, int64_t k,
+ISA(chunk)(const int qtype, const uint8_t *w0, int64_t wrows, int64_t ldo, int64_t k,
            const int16_t *xq, const float *xd, const float *xs, int64_t m, float *out0)
 {
     const int64_t nb = k / QK, row_bytes = row_bytes_of(qtype, k);
@@ -222,34 +222,34 @@ ISA(chunk)(const int qtype, const uint8_t *w0, int64_t wrows, int64_t n, int64_t
         const int64_t rows = m - m0 < MT ? m - m0 : MT;
         for (int64_t j = 0; j < wrows; j += NR)
             ISA(tile)(qtype, w0 + j * row_bytes, row_bytes, wrows - j < NR ? wrows - j : NR, nb,
-                      xq + m0 * k, xd + m0 * nb, xs + m0 * nb, k, rows, out0 + m0 * n + j, n);
+                      xq + m0 * k, xd + m0 * nb, xs + m0 * nb, k, rows, out0 + m0 * ldo + j, ldo);
     }
 }
 
 /* One format's chunks: decoded once into `scratch` where more than one activation tile
  * reads them (scratch non-NULL), else decoded in each tile. */
 ISA_ATTR static inline __attribute__((always_inline)) void
-ISA(format_chunk)(const int qtype, const uint8_t *w, int64_t n0, int64_t n1, int64_t n, int64_t k,
+ISA(format_chunk)(const int qtype, const uint8_t *w, int64_t n0, int64_t n1, int64_t ldo, int64_t k,
                   const int16_t *xq, const float *xd, const float *xs, int64_t m, float *out,
                   uint8_t *scratch)
 {
     const uint8_t *w0 = w + n0 * row_bytes_of(qtype, k);
     if (scratch == NULL) {
-        ISA(chunk)(qtype, w0, n1 - n0, n, k, xq, xd, xs, m, out + n0);
+        ISA(chunk)(qtype, w0, n1 - n0, ldo, k, xq, xd, xs, m, out + n0);
         return;
     }
     ISA(decode_rows)(qtype, w0, n1 - n0, k, scratch);
-    ISA(chunk)(QTYPE_DECODED, scratch, n1 - n0, n, k, xq, xd, xs, m, out + n0);
+    ISA(chunk)(QTYPE_DECODED, scratch, n1 - n0, ldo, k, xq, xd, xs, m, out + n0);
 }
 
-/* out[m, n] = x[m, k] . dequant(w)[n, k], x quantized per block of 32 first. Rows of w are
+/* out[m, n] = x[m, k] . dequant(w)[n, k] (out's rows ldo apart), x quantized first. Rows of w are
  * split among the threads in chunks of NCHUNK; within a chunk the activations go by in
  * tiles of MT rows, so a chunk's weight blocks come from memory once and from cache after.
  * With more than one tile, a chunk is decoded to int16 once into a per-thread buffer (a
  * failed allocation falls back to decoding in every tile). */
 ISA_ATTR static void ISA(quant_matmul)(int qtype, const uint8_t *w, int64_t n, int64_t k,
                                        const int16_t *xq, const float *xd, const float *xs,
-                                       int64_t m, float *out)
+                                       int64_t m, float *out, int64_t ldo)
 {
     const int64_t chunks = (n + NCHUNK - 1) / NCHUNK;
 #pragma omp parallel
@@ -261,28 +261,28 @@ ISA_ATTR static void ISA(quant_matmul)(int qtype, const uint8_t *w, int64_t n, i
             const int64_t n0 = c * NCHUNK, n1 = n0 + NCHUNK < n ? n0 + NCHUNK : n;
             switch (qtype) {
             case QTYPE_Q8_0:
-                ISA(format_chunk)(QTYPE_Q8_0, w, n0, n1, n, k, xq, xd, xs, m, out, scratch);
+                ISA(format_chunk)(QTYPE_Q8_0, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
                 break;
             case QTYPE_Q4_0:
-                ISA(format_chunk)(QTYPE_Q4_0, w, n0, n1, n, k, xq, xd, xs, m, out, scratch);
+                ISA(format_chunk)(QTYPE_Q4_0, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
                 break;
             case QTYPE_Q4_1:
-                ISA(format_chunk)(QTYPE_Q4_1, w, n0, n1, n, k, xq, xd, xs, m, out, scratch);
+                ISA(format_chunk)(QTYPE_Q4_1, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
                 break;
             case QTYPE_Q5_0:
-                ISA(format_chunk)(QTYPE_Q5_0, w, n0, n1, n, k, xq, xd, xs, m, out, scratch);
+                ISA(format_chunk)(QTYPE_Q5_0, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
                 break;
             case QTYPE_Q5_1:
-                ISA(format_chunk)(QTYPE_Q5_1, w, n0, n1, n, k, xq, xd, xs, m, out, scratch);
+                ISA(format_chunk)(QTYPE_Q5_1, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
                 break;
             case QTYPE_Q4_K:
-                ISA(format_chunk)(QTYPE_Q4_K, w, n0, n1, n, k, xq, xd, xs, m, out, scratch);
+                ISA(format_chunk)(QTYPE_Q4_K, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
                 break;
             case QTYPE_Q5_K:
-                ISA(format_chunk)(QTYPE_Q5_K, w, n0, n1, n, k, xq, xd, xs, m, out, scratch);
+                ISA(format_chunk)(QTYPE_Q5_K, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
                 break;
             default:
-                ISA(format_chunk)(QTYPE_Q6_K, w, n0, n1, n, k, xq, xd, xs, m, out, scratch);
+                ISA(format_chunk)(QTYPE_Q6_K, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
             }
         }
         free(scratch);

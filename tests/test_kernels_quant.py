@@ -105,8 +105,9 @@ def test_quant_matmul_is_dequantize_then_matmul(
     m, n, k = shape
     w = quantized(gen, qtype, n, k)
     x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
-    out = torch.full((m, n), float("nan"))
-    cpu_quant.quant_matmul(x, w, out)
+    wide = torch.full((m, n + 5), float("nan"))  # out: a column slice of a wider output
+    out = cpu_quant.quant_matmul(x, w, wide[:, 2 : 2 + n])
+    assert wide[:, :2].isnan().all() and wide[:, 2 + n :].isnan().all()
     ref_w = reference_weight(w).double()
     exact = quantize_activations(x).double() @ ref_w.T
     torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-4 * exact.abs().max())
@@ -145,6 +146,8 @@ def test_quant_matmul_refuses_mismatched_inputs(gen: torch.Generator) -> None:
         cpu_quant.quant_matmul(torch.randn(2, 64, dtype=torch.float64), w)
     with pytest.raises(ValueError, match="out must be"):
         cpu_quant.quant_matmul(torch.randn(2, 64), w, torch.empty(2, 5))
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_quant.quant_matmul(torch.randn(2, 64), w, torch.empty(4, 2).T)
     with pytest.raises(ValueError, match="no quantized kernel"):
         cpu_quant.QuantizedWeight(w.data, 10, 64)  # Q2_K: dequantized at load instead
     with pytest.raises(ValueError, match="Q4_K rows of 64 values do not match"):
