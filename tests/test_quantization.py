@@ -123,8 +123,9 @@ def test_quantized_default_model_agrees_with_its_fp32_teacher_forced(
 @pytest.mark.slow
 def test_gemma3_k_quant_file_runs_quantized_and_agrees_with_its_fp32() -> None:
     """The real Gemma 3 270M Q4_K_M file: every matrix (Q4_K, Q6_K, and Q5_0/Q8_0 where a
-    row of 640 is no whole super-block) kept as the file's blocks, and 128 teacher-forced
-    positions of the README within the issue's bars against the file dequantized."""
+    row of 640 is no whole super-block) kept as the file's blocks, and 64 teacher-forced
+    positions of the README within the issue's bars against the file dequantized (measured
+    over 128: top-1 1.000, KL 1.8e-7)."""
     eng = engine(GEMMA3_270M)
     assert all(isinstance(lin, QuantLinear) for lin in linears(eng))
     parts = [part.name for lin in linears(eng) for part in lin.parts]  # type: ignore[union-attr]
@@ -133,8 +134,8 @@ def test_gemma3_k_quant_file_runs_quantized_and_agrees_with_its_fp32() -> None:
     model = eng.model_runner.model
     held = model.embed.nbytes + sum(lin.nbytes for lin in linears(eng) if lin is not model.lm_head)
     assert held == sum(t.data.nbytes for t in file.tensors if len(t.shape) == 2)
-    ids = eng.tokenizer.encode(README.read_text())[:128]
-    chunks = [64, 56] + [1] * 8
+    ids = eng.tokenizer.encode(README.read_text())[:64]
+    chunks = [32, 24] + [1] * 8
     reference = engine_logits(engine(GEMMA3_270M, quantization="none"), [ids], chunks)
     result = agreement(reference, engine_logits(eng, [ids], chunks))
     print("gemma3 quantized vs fp32:", result)
@@ -183,9 +184,11 @@ def test_kernel_bench_times_each_format_against_dequantize_then_matmul(
 
     bench_quant(["--section", "kernels", "--rows", "2"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [(r[0], r[2]) for r in rows] == [
-        (fmt, shape) for fmt in ("Q4_1", "Q4_0", "Q8_0") for shape in ("2x1536x576", "2x576x1536")
+    blocks = [
+        (f, s) for f in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") for s in ("1536x576", "576x1536")
     ]
+    k_quants = [(f, s) for f in ("Q4_K", "Q5_K", "Q6_K") for s in ("640x2048", "640x1024")]
+    assert [(r[0], r[2]) for r in rows] == [(f, f"2x{s}") for f, s in blocks + k_quants]
     for r in rows:
         ours, theirs, ratio = float(r[3]), float(r[4]), float(r[5].rstrip("x"))
         assert (
