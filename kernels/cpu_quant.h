@@ -170,13 +170,10 @@ int quant_matmul_f32(int qtype, const uint8_t *w, int64_t n, int64_t k, const fl
         return -1;
     }
     float *xs = xd + m * nb;
-    if (vnni) {
-        quantize_rows_vnni(x, m, k, xq, xd, xs);
-        quant_matmul_vnni(qtype, w, n, k, xq, xd, xs, m, out, ldo);
-    } else {
-        quantize_rows_avx2(x, m, k, xq, xd, xs);
-        quant_matmul_avx2(qtype, w, n, k, xq, xd, xs, m, out, ldo);
-    }
+    if (vnni)
+        quant_matmul_vnni(qtype, w, n, k, x, m, xq, xd, xs, out, ldo);
+    else
+        quant_matmul_avx2(qtype, w, n, k, x, m, xq, xd, xs, out, ldo);
     free(xq);
     free(xd);
     return 0;

@@ -7,45 +7,42 @@
  * the eight int32 sums of a . b + c . d, four adjacent int16 products each.
  */
 
-/* x rows [m, k] to blocks of 32 int16 values, their scale d (amax / 32767) and d * sum(q). */
-ISA_ATTR static void ISA(quantize_rows)(const float *x, int64_t m, int64_t k, int16_t *xq,
-                                        float *xd, float *xs)
+/* A row of k values to blocks of 32 int16 values, their scale d (amax / 32767) and
+ * d * sum(q). */
+ISA_ATTR static void ISA(quantize_row)(const float *x, int64_t k, int16_t *xq, float *xd,
+                                       float *xs)
 {
-    const int64_t nb = k / QK;
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < m; r++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *src = x + r * k + b * QK;
-            __m256 v[4], amax = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                v[i] = _mm256_loadu_ps(src + 8 * i);
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
-            }
-            __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float d = _mm_cvtss_f32(m4) / 32767.0f;
-            const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-            __m256i q[4], total = _mm256_setzero_si256();
-            for (int i = 0; i < 4; i++) {
-                q[i] = _mm256_cvtps_epi32(
-                    _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT));
-                total = _mm256_add_epi32(total, q[i]);
-            }
-            /* packs interleave 128-bit lanes; the 64-bit permutation puts the values in order */
-            int16_t *dst = xq + r * k + b * QK;
-            _mm256_storeu_si256((__m256i *)dst,
-                                _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8));
-            _mm256_storeu_si256((__m256i *)(dst + 16),
-                                _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8));
-            __m128i t = _mm_add_epi32(_mm256_extracti128_si256(total, 1),
-                                      _mm256_castsi256_si128(total));
-            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-            xd[r * nb + b] = d;
-            xs[r * nb + b] = d * (float)_mm_cvtsi128_si32(t);
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float *src = x + b * QK;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(src + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
         }
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float d = _mm_cvtss_f32(m4) / 32767.0f;
+        const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        __m256i q[4], total = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            q[i] = _mm256_cvtps_epi32(
+                _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT));
+            total = _mm256_add_epi32(total, q[i]);
+        }
+        /* packs interleave 128-bit lanes; the 64-bit permutation puts the values in order */
+        int16_t *dst = xq + b * QK;
+        _mm256_storeu_si256((__m256i *)dst,
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8));
+        _mm256_storeu_si256((__m256i *)(dst + 16),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8));
+        __m128i t =
+            _mm_add_epi32(_mm256_extracti128_si256(total, 1), _mm256_castsi256_si128(total));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        xd[b] = d;
+        xs[b] = d * (float)_mm_cvtsi128_si32(t);
     }
 }
 
@@ -242,20 +239,23 @@ ISA(format_chunk)(const int qtype, const uint8_t *w, int64_t n0, int64_t n1, int
     ISA(chunk)(QTYPE_DECODED, scratch, n1 - n0, ldo, k, xq, xd, xs, m, out + n0);
 }
 
-/* out[m, n] = x[m, k] . dequant(w)[n, k] (out's rows ldo apart), x quantized first. Rows of w are
- * split among the threads in chunks of NCHUNK; within a chunk the activations go by in
- * tiles of MT rows, so a chunk's weight blocks come from memory once and from cache after.
- * With more than one tile, a chunk is decoded to int16 once into a per-thread buffer (a
- * failed allocation falls back to decoding in every tile). */
+/* out[m, n] = x[m, k] . dequant(w)[n, k] (out's rows ldo apart), in one parallel region: x
+ * quantized per block of 32 into xq/xd/xs first, a row per thread. Then rows of w are split
+ * among the threads in chunks of NCHUNK; within a chunk the activations go by in tiles of MT
+ * rows, so a chunk's weight blocks come from memory once and from cache after. With more
+ * than one tile, a chunk is decoded to int16 once into a per-thread buffer (a failed
+ * allocation falls back to decoding in every tile). */
 ISA_ATTR static void ISA(quant_matmul)(int qtype, const uint8_t *w, int64_t n, int64_t k,
-                                       const int16_t *xq, const float *xd, const float *xs,
-                                       int64_t m, float *out, int64_t ldo)
+                                       const float *x, int64_t m, int16_t *xq, float *xd,
+                                       float *xs, float *out, int64_t ldo)
 {
-    const int64_t chunks = (n + NCHUNK - 1) / NCHUNK;
+    const int64_t chunks = (n + NCHUNK - 1) / NCHUNK, nb = k / QK;
 #pragma omp parallel
     {
-        uint8_t *scratch =
-            m > MT ? malloc((size_t)(NCHUNK * (k / QK) * DECODED_BYTES)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            ISA(quantize_row)(x + r * k, k, xq + r * k, xd + r * nb, xs + r * nb);
+        uint8_t *scratch = m > MT ? malloc((size_t)(NCHUNK * nb * DECODED_BYTES)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t n0 = c * NCHUNK, n1 = n0 + NCHUNK < n ? n0 + NCHUNK : n;
