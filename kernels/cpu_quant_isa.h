@@ -139,13 +139,13 @@ ISA(decode)(const int qtype, const uint8_t *row, int64_t b, __m256i *lo, __m256i
     *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
 }
 
-/* NR weight rows against MT activation rows: each weight block is decoded once for all MT
- * rows and each activation block loaded once for all NR rows. Rows past a tile's end repeat
- * its last row and are not written. Inlined with a constant qtype, so each format gets its
- * own loop. */
+/* NR weight rows against `mt` (at most MT) activation rows: each weight block is decoded
+ * once for all mt rows and each activation block loaded once for all NR rows. Weight rows
+ * past a tile's end repeat its last row and are not written. Inlined with a constant qtype
+ * and mt, so each format and tile height gets its own loop. */
 ISA_ATTR static inline __attribute__((always_inline)) void
-ISA(tile)(const int qtype, const uint8_t *w, int64_t row_bytes, int64_t wrows, int64_t nb,
-          const int16_t *xq, const float *xd, const float *xs, int64_t k, int64_t rows,
+ISA(tile)(const int qtype, const int mt, const uint8_t *w, int64_t row_bytes, int64_t wrows,
+          int64_t nb, const int16_t *xq, const float *xd, const float *xs, int64_t k,
           float *out, int64_t ldo)
 {
     const uint8_t *wr[NR];
@@ -155,16 +155,15 @@ ISA(tile)(const int qtype, const uint8_t *w, int64_t row_bytes, int64_t wrows, i
     float corr[NR][MT];
     for (int i = 0; i < NR; i++) {
         wr[i] = w + (i < wrows ? i : wrows - 1) * row_bytes;
-        for (int r = 0; r < MT; r++) {
+        for (int r = 0; r < mt; r++) {
             acc[i][r] = _mm256_setzero_ps();
             corr[i][r] = 0.0f;
         }
     }
-    for (int r = 0; r < MT; r++) {
-        const int64_t row = r < rows ? r : rows - 1;
-        xr[r] = xq + row * k;
-        dr[r] = xd + row * nb;
-        sr[r] = xs + row * nb;
+    for (int r = 0; r < mt; r++) {
+        xr[r] = xq + r * k;
+        dr[r] = xd + r * nb;
+        sr[r] = xs + r * nb;
     }
     const int has_offset = qtype == QTYPE_Q4_1 || qtype == QTYPE_Q5_1 || qtype == QTYPE_Q4_K ||
                            qtype == QTYPE_Q5_K || qtype == QTYPE_DECODED;
@@ -173,7 +172,7 @@ ISA(tile)(const int qtype, const uint8_t *w, int64_t row_bytes, int64_t wrows, i
         float dw[NR], offset[NR]; /* offset: the weight of a zero q, times d_x sum(q_x) */
         for (int i = 0; i < NR; i++)
             ISA(decode)(qtype, wr[i], b, &lo[i], &hi[i], &dw[i], &offset[i]);
-        for (int r = 0; r < MT; r++) {
+        for (int r = 0; r < mt; r++) {
             const __m256i xl = _mm256_loadu_si256((const __m256i *)(xr[r] + b * QK));
             const __m256i xh = _mm256_loadu_si256((const __m256i *)(xr[r] + b * QK + 16));
             const float dx = dr[r][b], sx = sr[r][b];
@@ -186,7 +185,7 @@ ISA(tile)(const int qtype, const uint8_t *w, int64_t row_bytes, int64_t wrows, i
         }
     }
     for (int i = 0; i < NR && i < wrows; i++)
-        for (int r = 0; r < MT && r < rows; r++)
+        for (int r = 0; r < mt; r++)
             out[r * ldo + i] = hsum8(acc[i][r]) + corr[i][r];
 }
 
@@ -217,9 +216,21 @@ ISA(chunk)(const int qtype, const uint8_t *w0, int64_t wrows, int64_t ldo, int64
     const int64_t nb = k / QK, row_bytes = row_bytes_of(qtype, k);
     for (int64_t m0 = 0; m0 < m; m0 += MT) {
         const int64_t rows = m - m0 < MT ? m - m0 : MT;
-        for (int64_t j = 0; j < wrows; j += NR)
-            ISA(tile)(qtype, w0 + j * row_bytes, row_bytes, wrows - j < NR ? wrows - j : NR, nb,
-                      xq + m0 * k, xd + m0 * nb, xs + m0 * nb, k, rows, out0 + m0 * ldo + j, ldo);
+        const int16_t *x = xq + m0 * k;
+        const float *d = xd + m0 * nb, *s = xs + m0 * nb;
+        for (int64_t j = 0; j < wrows; j += NR) {
+            const uint8_t *wj = w0 + j * row_bytes;
+            const int64_t nr = wrows - j < NR ? wrows - j : NR;
+            float *o = out0 + m0 * ldo + j;
+            if (rows == MT)
+                ISA(tile)(qtype, MT, wj, row_bytes, nr, nb, x, d, s, k, o, ldo);
+            else if (rows == 3)
+                ISA(tile)(qtype, 3, wj, row_bytes, nr, nb, x, d, s, k, o, ldo);
+            else if (rows == 2)
+                ISA(tile)(qtype, 2, wj, row_bytes, nr, nb, x, d, s, k, o, ldo);
+            else
+                ISA(tile)(qtype, 1, wj, row_bytes, nr, nb, x, d, s, k, o, ldo);
+        }
     }
 }
 
