@@ -27,7 +27,8 @@
 #define QTYPE_Q4_K 12
 #define QTYPE_Q5_K 13
 #define QTYPE_Q6_K 14
-/* Internal: a block decoded once for many activation tiles, 32 int16 q, scale, offset. */
+/* Internal: blocks decoded once for many activation tiles, 32 int16 q, a float scale and a
+ * float offset each (cpu_quant_isa.h: decode). */
 #define QTYPE_DECODED (-1)
 #define DECODED_BYTES 72
 

@@ -57,21 +57,22 @@ ISA_ATTR static inline __m256i ISA(fifth_bits)(uint32_t qh)
                             _mm256_set1_epi8(16));
 }
 
-/* Block b of a row as decode_block (cpu_quant.h) gives it: q in two vectors of 16 int16
- * (values 0..15, 16..31), scale and offset. Inlined with a constant qtype. */
+/* Block b of a row (of nb blocks) as decode_block (cpu_quant.h) gives it: q in two vectors
+ * of 16 int16 (values 0..15, 16..31), scale and offset. Inlined with a constant qtype. A
+ * QTYPE_DECODED row holds its nb blocks' int16 values, then their nb scales, then their nb
+ * offsets. */
 ISA_ATTR static inline __attribute__((always_inline)) void
-ISA(decode)(const int qtype, const uint8_t *row, int64_t b, __m256i *lo, __m256i *hi,
-            float *scale, float *offset)
+ISA(decode)(const int qtype, const uint8_t *row, int64_t nb, int64_t b, __m256i *lo,
+            __m256i *hi, float *scale, float *offset)
 {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256i v; /* 32 unsigned bytes, value j in byte j */
     *offset = 0.0f;
     if (qtype == QTYPE_DECODED) {
-        const uint8_t *blk = row + b * DECODED_BYTES;
-        *lo = _mm256_loadu_si256((const __m256i *)blk);
-        *hi = _mm256_loadu_si256((const __m256i *)(blk + 32));
-        memcpy(scale, blk + 64, sizeof *scale);
-        memcpy(offset, blk + 68, sizeof *offset);
+        *lo = _mm256_loadu_si256((const __m256i *)(row + b * 64));
+        *hi = _mm256_loadu_si256((const __m256i *)(row + b * 64 + 32));
+        memcpy(scale, row + nb * 64 + b * 4, sizeof *scale);
+        memcpy(offset, row + nb * 68 + b * 4, sizeof *offset);
         return;
     }
     if (qtype == QTYPE_Q8_0) {
@@ -139,6 +140,19 @@ ISA(decode)(const int qtype, const uint8_t *row, int64_t b, __m256i *lo, __m256i
     *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
 }
 
+/* sum(a[i] * b[i]) for i < n, the same way wherever it is called. */
+ISA_ATTR static inline float ISA(dot_f32)(const float *a, const float *b, int64_t n)
+{
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float sum = hsum8(acc);
+    for (; i < n; i++)
+        sum += a[i] * b[i];
+    return sum;
+}
+
 /* NR weight rows against `mt` (at most MT) activation rows: each weight block is decoded
  * once for all mt rows and each activation block loaded once for all NR rows. Weight rows
  * past a tile's end repeat its last row and are not written. Inlined with a constant qtype
@@ -152,59 +166,67 @@ ISA(tile)(const int qtype, const int mt, const uint8_t *w, int64_t row_bytes, in
     const int16_t *xr[MT];
     const float *dr[MT], *sr[MT];
     __m256 acc[NR][MT];
-    float corr[NR][MT];
     for (int i = 0; i < NR; i++) {
         wr[i] = w + (i < wrows ? i : wrows - 1) * row_bytes;
-        for (int r = 0; r < mt; r++) {
+        for (int r = 0; r < mt; r++)
             acc[i][r] = _mm256_setzero_ps();
-            corr[i][r] = 0.0f;
-        }
     }
     for (int r = 0; r < mt; r++) {
         xr[r] = xq + r * k;
         dr[r] = xd + r * nb;
         sr[r] = xs + r * nb;
     }
+    /* the blocks' offsets (the weight of a zero q) of each row, for sum(offset * d_x sum(q_x))
+     * after the blocks: a QTYPE_DECODED row's own, else gathered while decoding */
     const int has_offset = qtype == QTYPE_Q4_1 || qtype == QTYPE_Q5_1 || qtype == QTYPE_Q4_K ||
                            qtype == QTYPE_Q5_K || qtype == QTYPE_DECODED;
+    float gathered[has_offset && qtype != QTYPE_DECODED ? NR : 1][nb];
     for (int64_t b = 0; b < nb; b++) {
         __m256i lo[NR], hi[NR];
-        float dw[NR], offset[NR]; /* offset: the weight of a zero q, times d_x sum(q_x) */
-        for (int i = 0; i < NR; i++)
-            ISA(decode)(qtype, wr[i], b, &lo[i], &hi[i], &dw[i], &offset[i]);
+        __m256 dw[NR];
+        for (int i = 0; i < NR; i++) {
+            float scale, offset;
+            ISA(decode)(qtype, wr[i], nb, b, &lo[i], &hi[i], &scale, &offset);
+            dw[i] = _mm256_set1_ps(scale);
+            if (has_offset && qtype != QTYPE_DECODED)
+                gathered[i][b] = offset;
+        }
         for (int r = 0; r < mt; r++) {
             const __m256i xl = _mm256_loadu_si256((const __m256i *)(xr[r] + b * QK));
             const __m256i xh = _mm256_loadu_si256((const __m256i *)(xr[r] + b * QK + 16));
-            const float dx = dr[r][b], sx = sr[r][b];
+            const __m256 dx = _mm256_broadcast_ss(dr[r] + b);
             for (int i = 0; i < NR; i++) {
                 const __m256 dot = _mm256_cvtepi32_ps(DOT2_S16(lo[i], xl, hi[i], xh));
-                acc[i][r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw[i] * dx), acc[i][r]);
-                if (has_offset)
-                    corr[i][r] += offset[i] * sx;
+                acc[i][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw[i], dx), acc[i][r]);
             }
         }
     }
-    for (int i = 0; i < NR && i < wrows; i++)
+    for (int i = 0; i < NR && i < wrows; i++) {
+        const float *offsets =
+            qtype == QTYPE_DECODED ? (const float *)(wr[i] + nb * 68) : gathered[i];
         for (int r = 0; r < mt; r++)
-            out[r * ldo + i] = hsum8(acc[i][r]) + corr[i][r];
+            out[r * ldo + i] =
+                hsum8(acc[i][r]) + (has_offset ? ISA(dot_f32)(offsets, sr[r], nb) : 0.0f);
+    }
 }
 
-/* `wrows` rows of w decoded into `into` as QTYPE_DECODED blocks. */
+/* `wrows` rows of w decoded into `into` as QTYPE_DECODED rows. */
 ISA_ATTR static inline __attribute__((always_inline)) void
 ISA(decode_rows)(const int qtype, const uint8_t *w, int64_t wrows, int64_t k, uint8_t *into)
 {
     const int64_t nb = k / QK, row_bytes = row_bytes_of(qtype, k);
-    for (int64_t j = 0; j < wrows; j++)
+    for (int64_t j = 0; j < wrows; j++) {
+        uint8_t *row = into + j * nb * DECODED_BYTES;
         for (int64_t b = 0; b < nb; b++) {
             __m256i lo, hi;
             float scale, offset;
-            ISA(decode)(qtype, w + j * row_bytes, b, &lo, &hi, &scale, &offset);
-            uint8_t *blk = into + (j * nb + b) * DECODED_BYTES;
-            _mm256_storeu_si256((__m256i *)blk, lo);
-            _mm256_storeu_si256((__m256i *)(blk + 32), hi);
-            memcpy(blk + 64, &scale, sizeof scale);
-            memcpy(blk + 68, &offset, sizeof offset);
+            ISA(decode)(qtype, w + j * row_bytes, nb, b, &lo, &hi, &scale, &offset);
+            _mm256_storeu_si256((__m256i *)(row + b * 64), lo);
+            _mm256_storeu_si256((__m256i *)(row + b * 64 + 32), hi);
+            memcpy(row + nb * 64 + b * 4, &scale, sizeof scale);
+            memcpy(row + nb * 68 + b * 4, &offset, sizeof offset);
         }
+    }
 }
 
 /* `wrows` rows of w (from its row w0, the output's column out0, rows ldo apart) against all
