@@ -273,7 +273,9 @@ ISA(format_chunk)(const int qtype, const uint8_t *w, int64_t n0, int64_t n1, int
 }
 
 /* out[m, n] = x[m, k] . dequant(w)[n, k] (out's rows ldo apart), in one parallel region: x
- * quantized per block of 32 into xq/xd/xs first, a row per thread. Then rows of w are split
+ * quantized per block of 32 into xq/xd/xs first, before the region where it is a few rows (a
+ * barrier less: on a loaded machine every barrier can wait out a descheduled thread's time
+ * slice), else a row per thread. Then rows of w are split
  * among the threads in chunks of NCHUNK; within a chunk the activations go by in tiles of MT
  * rows, so a chunk's weight blocks come from memory once and from cache after. With more
  * than one tile, a chunk is decoded to int16 once into a per-thread buffer (a failed
@@ -283,11 +285,17 @@ ISA_ATTR static void ISA(quant_matmul)(int qtype, const uint8_t *w, int64_t n, i
                                        float *xs, float *out, int64_t ldo)
 {
     const int64_t chunks = (n + NCHUNK - 1) / NCHUNK, nb = k / QK;
-#pragma omp parallel
-    {
-#pragma omp for schedule(static)
+    const int serial = m <= 4 * MT;
+    if (serial)
         for (int64_t r = 0; r < m; r++)
             ISA(quantize_row)(x + r * k, k, xq + r * k, xd + r * nb, xs + r * nb);
+#pragma omp parallel
+    {
+        if (!serial) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++)
+                ISA(quantize_row)(x + r * k, k, xq + r * k, xd + r * nb, xs + r * nb);
+        }
         uint8_t *scratch = m > MT ? malloc((size_t)(NCHUNK * nb * DECODED_BYTES)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; c++) {
