@@ -1,5 +1,5 @@
-"""The int8 kernels on quantized weights against dequantize-then-matmul, on fresh random
-inputs every run (seed printed on failure), on each instruction path this CPU has.
+"""The quantized kernels on quantized weights against dequantize-then-matmul, on fresh
+random inputs every run (seed printed on failure), on each instruction path this CPU has.
 
 Weights of the 32-value formats are quantized by the ``gguf`` package (llama.cpp's
 reference quantizers), so the blocks are the ones a real file holds; the K-quants, which the

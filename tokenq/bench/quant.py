@@ -1,4 +1,4 @@
-"""``tokenq bench quant``: quantized weights on the int8 kernels against the float paths.
+"""``tokenq bench quant``: quantized weights on the quantized kernels against the float paths.
 
 Three sections, each a table: ``kernels`` (each format's quantized product against
 dequantize-then-matmul, the float32 weight packed as the engine packs it; the K-quants at
