@@ -2,8 +2,9 @@
 from one parse of the file.
 
 Tensors are dequantized on load (K-quants included) to the engine's ``dtype``, except, with
-``keep_quantized``, the matrices of the linear layers and the embedding in a format the int8
-kernels run (kernels/cpu_quant.py: Q8_0, Q4_0, Q4_1), which stay as the file's blocks.
+``keep_quantized``, the matrices of the linear layers and the embedding in a format the
+quantized kernels run (kernels/cpu_quant.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K), which stay as the file's blocks.
 Names and layouts become Hugging Face's: llama.cpp's converter permutes Llama's Q/K rows for
 its interleaved rope and stores Gemma's norm weights plus one; loading undoes both, and
 stacks each layer's experts as a folder's are stacked.
@@ -248,7 +249,7 @@ def quantized_types(path: Path) -> dict[str, int]:
 
 def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> Checkpoint:
     """The file's config, weights and tokenizer: weights dequantized to ``dtype``, but with
-    ``keep_quantized`` the linear layers' and the embedding's Q8_0/Q4_0/Q4_1 blocks kept."""
+    ``keep_quantized`` the linear layers' and the embedding's blocks of a kernel's type kept."""
     import gguf
 
     file = read_gguf(path)
@@ -309,7 +310,7 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> C
     weights |= _stacked_experts(experts, dtype)
     if dequantized:
         log.info(
-            "%s: matrices dequantized to %s, no int8 kernel for their type: %s",
+            "%s: matrices dequantized to %s, no quantized kernel for their type: %s",
             path.name,
             str(dtype).removeprefix("torch."),
             ", ".join(f"{n} {t}" for t, n in sorted(dequantized.items())),

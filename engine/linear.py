@@ -56,15 +56,32 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class QuantLinear:
-    """``x @ W.T (+ b)`` with ``W`` kept quantized and the product in int8 per block
-    (kernels/cpu_quant.h); ``x`` comes in and goes out in the engine's dtype."""
+    """``x @ W.T (+ b)`` with ``W`` kept quantized and the product on the quantized kernels
+    (kernels/cpu_quant.h); ``x`` comes in and goes out in the engine's dtype. ``W`` is one
+    weight, or the parts of a layer stacked by rows in formats that differ (a file's Q/K/V
+    in Q5_0, Q5_0 and Q8_0), each part writing its columns of the output."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight
+    def __init__(
+        self, weight: QuantizedWeight | list[QuantizedWeight], bias: torch.Tensor | None = None
+    ) -> None:
+        self.parts = weight if isinstance(weight, list) else [weight]
+        self.weight = self.parts[0] if len(self.parts) == 1 else None  # the one, when one
         self.bias = None if bias is None else bias.float()
 
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = quant_matmul(x.float(), self.weight)
+        x = x.float()
+        if self.weight is not None:
+            out = quant_matmul(x, self.weight)
+        else:
+            out = torch.empty(x.shape[0], sum(p.shape[0] for p in self.parts))
+            start = 0
+            for part in self.parts:
+                quant_matmul(x, part, out[:, start : start + part.shape[0]])
+                start += part.shape[0]
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype)
@@ -78,16 +95,20 @@ def build_linear(
     dtype: torch.dtype,
     int8: bool = False,
 ) -> Linear | QuantLinear:
-    """One layer from weights stacked by rows (Q/K/V, gate/up). Quantized parts of one type
-    stay as they are; parts of mixed types are dequantized to ``dtype``; with ``int8`` the
-    float weights become int8 per output channel."""
+    """One layer from weights stacked by rows (Q/K/V, gate/up). Quantized parts stay as they
+    are (those of one type joined into one weight); parts quantized and float together are
+    dequantized to ``dtype``; with ``int8`` the float weights become int8 per output
+    channel."""
     types = {p.qtype if isinstance(p, QuantizedWeight) else None for p in parts}
-    if len(types) == 1 and None not in types:
+    if None not in types:
+        quantized: list[QuantizedWeight] = parts  # type: ignore[assignment]
         if len(parts) == 1:  # shared as it is (a tied embedding is the lm_head)
-            return QuantLinear(parts[0], bias)  # type: ignore[arg-type]
-        first = parts[0]
-        data = torch.cat([p.data for p in parts])  # type: ignore[union-attr]
-        return QuantLinear(QuantizedWeight(data, first.qtype, first.cols), bias)  # type: ignore[union-attr]
+            return QuantLinear(quantized[0], bias)
+        if len(types) > 1:
+            return QuantLinear(quantized, bias)
+        first = quantized[0]
+        data = torch.cat([p.data for p in quantized])
+        return QuantLinear(QuantizedWeight(data, first.qtype, first.cols), bias)
     full = torch.cat([dense_weight(p, device, dtype) for p in parts])
     if int8 and full.shape[1] % BLOCK == 0:  # other widths stay float: no int8 kernel
         return QuantLinear(quantize_int8(full), bias)

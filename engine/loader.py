@@ -18,7 +18,7 @@ def load_checkpoint(
     path: str | Path, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
 ) -> Checkpoint:
     """Load a `.gguf` file or a folder with `config.json` and `*.safetensors`;
-    ``keep_quantized``: a GGUF's matrices that the int8 kernels run stay quantized."""
+    ``keep_quantized``: a GGUF's matrices that the quantized kernels run stay quantized."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")

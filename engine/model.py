@@ -98,7 +98,7 @@ class CausalLM:
         backend: AttentionBackend,
         int8: bool = False,
     ) -> None:
-        """``weights`` may hold quantized matrices (kept so, run on the int8 kernels); with
+        """``weights`` may hold quantized matrices (kept so, run on the quantized kernels); with
         ``int8`` the float matrices of the linear layers are quantized to int8 too."""
         self.cfg = cfg
         self.backend = backend

@@ -66,7 +66,7 @@ _SIGNATURES = {
 # The quantized products (cpu_quant.h), built only on x86 with AVX2: absent elsewhere.
 _QUANT_SIGNATURES = {
     "quant_matmul_f32": (
-        [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int],
+        [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int],
         ctypes.c_int,
     ),
     "dequant_rows_f32": ([ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr], None),

@@ -1,11 +1,13 @@
 """Quantized weights and the C kernels that multiply by them (``cpu_quant.h``).
 
 A ``QuantizedWeight`` holds GGUF blocks as the file stores them: per row, blocks of 32
-values, each a float16 scale (and a float16 minimum for Q4_1) and 8- or 4-bit values.
-``quant_matmul`` quantizes the activations per block of 32 and multiplies in int8: with
-AVX-512 VNNI's ``vpdpbusd`` where the CPU has it, AVX2's ``vpmaddubsw`` otherwise (or where
-``TOKENQ_QUANT_ISA=avx2`` forces it, as the tests do). The kernels live in the library that
-``cpu_ops.load`` builds; call that first.
+values (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: a float16 scale, a float16 minimum for the ``_1``
+types, 8-, 5- or 4-bit values) or super-blocks of 256 (Q4_K, Q5_K, Q6_K: sub-block scales
+and minima under float16 ones). ``quant_matmul`` quantizes the activations to int16 per
+block of 32 and multiplies the weights' integers by them: with AVX-512 VNNI's ``vpdpwssd``
+where the CPU has it, AVX2's ``vpmaddwd`` otherwise (or where ``TOKENQ_QUANT_ISA=avx2``
+forces it, as the tests do). The kernels live in the library that ``cpu_ops.load`` builds;
+call that first.
 """
 
 from __future__ import annotations
@@ -18,8 +20,28 @@ import torch
 from tokenq.kernels import cpu_features, cpu_ops
 
 BLOCK = 32
-# gguf.GGMLQuantizationType value -> (name, bytes per block of 32)
-QTYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+
+
+@dataclass(frozen=True)
+class QType:
+    """A GGUF block format the kernels run: ``values`` per block of ``bytes``."""
+
+    name: str
+    values: int
+    bytes: int
+
+
+# gguf.GGMLQuantizationType value -> its format
+QTYPES = {
+    2: QType("Q4_0", 32, 18),
+    3: QType("Q4_1", 32, 20),
+    6: QType("Q5_0", 32, 22),
+    7: QType("Q5_1", 32, 24),
+    8: QType("Q8_0", 32, 34),
+    12: QType("Q4_K", 256, 144),
+    13: QType("Q5_K", 256, 176),
+    14: QType("Q6_K", 256, 210),
+}
 Q8_0 = 8
 ISA_ENV = "TOKENQ_QUANT_ISA"  # "avx2" forces the AVX2 path on a VNNI CPU
 VNNI_FLAGS = ("avx512_vnni", "avx512vl", "avx512bw")
@@ -36,12 +58,13 @@ class QuantizedWeight:
     def __post_init__(self) -> None:
         if self.qtype not in QTYPES:
             raise ValueError(f"no quantized kernel for GGML type {self.qtype}")
-        if self.cols % BLOCK or self.data.shape[1] != self.cols // BLOCK * QTYPES[self.qtype][1]:
+        fmt = QTYPES[self.qtype]
+        if self.cols % fmt.values or self.data.shape[1] != self.cols // fmt.values * fmt.bytes:
             raise ValueError(f"{self.name} rows of {self.cols} values do not match the data")
 
     @property
     def name(self) -> str:
-        return QTYPES[self.qtype][0]
+        return QTYPES[self.qtype].name
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -88,15 +111,22 @@ def _fn(name: str):
 def quant_matmul(
     x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ dequantize(w).T`` for float32 ``x [m, cols]``, in int8 per block of 32."""
+    """``x @ dequantize(w).T`` for float32 ``x [m, cols]``, x in int16 per block of 32.
+    ``out`` may be a column slice of a wider float32 output (rows contiguous, any row
+    stride), so the parts of a layer stacked by rows write one output."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.cols:
         raise ValueError(f"x must be float32 [m, {w.cols}], got {x.dtype} {list(x.shape)}")
     x = x.contiguous()
     n = w.data.shape[0]
     if out is None:
         out = torch.empty(x.shape[0], n)
-    elif out.shape != (x.shape[0], n) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous float32 [{x.shape[0]}, {n}]")
+    elif (
+        out.shape != (x.shape[0], n)
+        or out.dtype != torch.float32
+        or out.stride(1) != 1
+        or out.stride(0) < n
+    ):
+        raise ValueError(f"out must be float32 [{x.shape[0]}, {n}] with contiguous rows")
     if x.shape[0]:
         status = _fn("quant_matmul_f32")(
             w.qtype,
@@ -106,6 +136,7 @@ def quant_matmul(
             x.data_ptr(),
             x.shape[0],
             out.data_ptr(),
+            out.stride(0),
             int(isa() == "avx512_vnni"),
         )
         if status:

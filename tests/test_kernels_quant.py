@@ -1,17 +1,19 @@
-"""The int8 kernels on quantized weights against dequantize-then-matmul, on fresh random
-inputs every run (seed printed on failure), on each instruction path this CPU has.
+"""The quantized kernels on quantized weights against dequantize-then-matmul, on fresh
+random inputs every run (seed printed on failure), on each instruction path this CPU has.
 
-Weights are quantized by the ``gguf`` package (llama.cpp's reference quantizers), so the
-blocks are the ones a real file holds, and dequantized by it for the reference. The
-activations are quantized per block of 32 by the kernel; the exact reference quantizes
-them the same way in torch, so the two differ by float summation order only.
+Weights of the 32-value formats are quantized by the ``gguf`` package (llama.cpp's
+reference quantizers), so the blocks are the ones a real file holds; the K-quants, which the
+package cannot quantize, are random bytes under random float16 scales, so every bit pattern
+of their packed scales and values comes up. Both are dequantized by the package for the
+reference. The activations are quantized to int16 per block of 32 by the kernel; the exact
+reference quantizes them the same way in torch, so the two differ by float summation order
+only.
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -32,8 +34,15 @@ ISAS = [
     ),
 ]
 # (activation rows, weight rows, columns): single decode rows, odd row counts on both
-# sides, a tail of the 4-row activation tile and of the 16-row weight chunk.
+# sides, a tail of the 4-row activation tile and of the 16-row weight chunk; up to 4 rows
+# decode each weight block in the tile, more decode a chunk once for all tiles.
 SHAPES = [(1, 17, 32), (3, 33, 96), (5, 16, 64), (13, 47, 576), (64, 40, 160)]
+K_SHAPES = [(1, 17, 256), (3, 33, 512), (13, 47, 768), (64, 20, 256)]  # super-blocks of 256
+K_QUANTS = sorted(t for t, f in cpu_quant.QTYPES.items() if f.values == 256)
+BLOCK_QUANTS = sorted(t for t, f in cpu_quant.QTYPES.items() if f.values == 32)
+CASES = [(t, s) for t in BLOCK_QUANTS for s in SHAPES] + [
+    (t, s) for t in K_QUANTS for s in K_SHAPES
+]
 
 
 @pytest.fixture
@@ -54,9 +63,24 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def quantized(gen: torch.Generator, qtype: int, rows: int, cols: int) -> cpu_quant.QuantizedWeight:
-    w = torch.randn(rows, cols, generator=gen).numpy()
-    data = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
-    return cpu_quant.QuantizedWeight(torch.from_numpy(np.ascontiguousarray(data)), qtype, cols)
+    fmt = cpu_quant.QTYPES[qtype]
+    if fmt.values == 32:
+        w = torch.randn(rows, cols, generator=gen).numpy()
+        data = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype)))
+        return cpu_quant.QuantizedWeight(data.contiguous(), qtype, cols)
+    blocks = cols // fmt.values
+    data = torch.randint(0, 256, (rows, blocks, fmt.bytes), generator=gen, dtype=torch.uint8)
+
+    def scales(at: int) -> None:  # a float16 scale in (0.001, 0.02] at byte `at`
+        d = (torch.rand(rows, blocks, generator=gen) * 0.019 + 0.001).to(torch.float16)
+        data[:, :, at : at + 2] = d.view(torch.uint8).view(rows, blocks, 2)
+
+    if fmt.name == "Q6_K":
+        scales(208)  # d last; the 16 int8 sub-block scales before it stay random
+    else:
+        scales(0)  # d, then dmin
+        scales(2)
+    return cpu_quant.QuantizedWeight(data.view(rows, -1), qtype, cols)
 
 
 def reference_weight(w: cpu_quant.QuantizedWeight) -> torch.Tensor:
@@ -65,34 +89,36 @@ def reference_weight(w: cpu_quant.QuantizedWeight) -> torch.Tensor:
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to int8 per block of 32 with scale amax / 127, as llama.cpp's Q8_0."""
+    """x rounded to int16 per block of 32 with scale amax / 32767, as the kernels do."""
     blocks = x.view(x.shape[0], -1, cpu_quant.BLOCK)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
+    d = blocks.abs().amax(-1, keepdim=True) / 32767
     q = torch.round(blocks / torch.where(d > 0, d, torch.ones_like(d)))
     return (q * d).view_as(x)
 
 
-@pytest.mark.parametrize("qtype", sorted(cpu_quant.QTYPES), ids=lambda t: cpu_quant.QTYPES[t][0])
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize(
+    ("qtype", "shape"), CASES, ids=[f"{cpu_quant.QTYPES[t].name}-{s}" for t, s in CASES]
+)
 def test_quant_matmul_is_dequantize_then_matmul(
     gen: torch.Generator, isa: str, qtype: int, shape: tuple[int, int, int]
 ) -> None:
     m, n, k = shape
     w = quantized(gen, qtype, n, k)
     x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
-    out = torch.full((m, n), float("nan"))
-    cpu_quant.quant_matmul(x, w, out)
+    wide = torch.full((m, n + 5), float("nan"))  # out: a column slice of a wider output
+    out = cpu_quant.quant_matmul(x, w, wide[:, 2 : 2 + n])
+    assert wide[:, :2].isnan().all() and wide[:, 2 + n :].isnan().all()
     ref_w = reference_weight(w).double()
     exact = quantize_activations(x).double() @ ref_w.T
     torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-4 * exact.abs().max())
-    # and the activation rounding costs what one int8 step per value costs
+    # and the activation rounding costs what one int16 step per value costs
     full = x.double() @ ref_w.T
-    assert ((out.double() - full).abs().max() / full.abs().max()) < 0.02
+    assert ((out.double() - full).abs().max() / full.abs().max()) < 1e-3
 
 
-@pytest.mark.parametrize("qtype", sorted(cpu_quant.QTYPES), ids=lambda t: cpu_quant.QTYPES[t][0])
+@pytest.mark.parametrize("qtype", sorted(cpu_quant.QTYPES), ids=lambda t: cpu_quant.QTYPES[t].name)
 def test_dequantized_rows_are_the_gguf_values(gen: torch.Generator, qtype: int) -> None:
-    w = quantized(gen, qtype, 9, 96)
+    w = quantized(gen, qtype, 9, 512)
     ids = torch.tensor([8, 0, 3, 3])
     assert torch.equal(w.rows(ids), reference_weight(w)[ids])
     with pytest.raises(IndexError):
@@ -120,5 +146,9 @@ def test_quant_matmul_refuses_mismatched_inputs(gen: torch.Generator) -> None:
         cpu_quant.quant_matmul(torch.randn(2, 64, dtype=torch.float64), w)
     with pytest.raises(ValueError, match="out must be"):
         cpu_quant.quant_matmul(torch.randn(2, 64), w, torch.empty(2, 5))
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_quant.quant_matmul(torch.randn(2, 64), w, torch.empty(4, 2).T)
     with pytest.raises(ValueError, match="no quantized kernel"):
-        cpu_quant.QuantizedWeight(w.data, 12, 64)  # Q4_K: dequantized at load instead
+        cpu_quant.QuantizedWeight(w.data, 10, 64)  # Q2_K: dequantized at load instead
+    with pytest.raises(ValueError, match="Q4_K rows of 64 values do not match"):
+        cpu_quant.QuantizedWeight(w.data, 12, 64)  # a super-block is 256 values

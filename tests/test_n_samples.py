@@ -46,8 +46,15 @@ SEEDED = {"temperature": 0.9, "seed": 1234, "max_tokens": 8, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
+    """Dequantized (the scores are held to transformers' float32 ones)."""
     return LLM(
-        DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=64, block_size=16, num_threads=1
+        DEFAULT_MODEL,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=16,
+        num_threads=1,
+        quantization="none",
     )
 
 
@@ -165,6 +172,7 @@ def test_prompt_logprobs_equal_transformers_in_float32(hf_logprobs) -> None:
         num_kv_blocks=32,
         max_num_batched_tokens=16,
         num_threads=1,
+        quantization="none",  # held to transformers' float32 scores
     )
     (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=3, temperature=0))
     ids = out.prompt_token_ids

@@ -11,7 +11,7 @@ TARGETS = {
     "batch": "`tokenq batch run` against the engine alone",
     "fleet": "interactive jobs under a batch backlog, on one worker",
     "kernels": "the kernels against copy bandwidth (GPU) or the torch ops they replace (CPU)",
-    "quant": "quantized weights on the int8 kernels against fp32 and bf16: kernels, W1/W2, "
+    "quant": "quantized weights on the quantized kernels against fp32 and bf16: kernels, W1/W2, "
     "teacher-forced accuracy",
     "invariance": "greedy output batched against each prompt alone, per dtype",
     "structured": "W1 with every request JSON-Schema constrained against it unconstrained",

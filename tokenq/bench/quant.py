@@ -1,8 +1,9 @@
-"""``tokenq bench quant``: quantized weights on the int8 kernels against the float paths.
+"""``tokenq bench quant``: quantized weights on the quantized kernels against the float paths.
 
-Three sections, each a table: ``kernels`` (the int8 product against dequantize-then-matmul,
-the float32 weight packed as the engine packs it), ``engine`` (W1 and W2, a row per path:
-the file's blocks on the int8 kernels, float32 and bfloat16 dequantized; on the default
+Three sections, each a table: ``kernels`` (each format's quantized product against
+dequantize-then-matmul, the float32 weight packed as the engine packs it; the K-quants at
+shapes of whole super-blocks), ``engine`` (W1 and W2, a row per path: the file's blocks on
+the quantized kernels, the default, then float32 and bfloat16 dequantized; on the default
 model's Q4_1 file and on a Q8_0 file written from it with the ``gguf`` package) and
 ``accuracy`` (teacher-forced next-token distributions over the repository's own docs, the
 quantized path against the same file dequantized to float32; ``--folder`` adds
@@ -36,7 +37,7 @@ from tokenq.kernels import cpu_ops, cpu_quant
 REPO = Path(__file__).resolve().parents[2]
 # (path name, engine options)
 PATHS = {
-    "quantized": {"dtype": "float32", "quantization": "int8"},
+    "quantized": {"dtype": "float32"},  # a quantized GGUF's default
     "float32": {"dtype": "float32", "quantization": "none"},
     "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
 }
@@ -81,24 +82,46 @@ def _time_us(fn: Callable[[], object], repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2] * 1e6
 
 
-def kernels(rows: list[int]) -> None:
-    """The int8 product per format against the float32 product on the dequantized weight."""
+# (weight rows, columns) per format: the default model's MLP shapes, and for the K-quants
+# (rows of whole 256-value super-blocks) Gemma 3 270M's down and o projections.
+KERNEL_SHAPES = {32: [(1536, 576), (576, 1536)], 256: [(640, 2048), (640, 1024)]}
+
+
+def random_weight(
+    qtype: int, n: int, k: int, gen: np.random.Generator
+) -> cpu_quant.QuantizedWeight:
+    """A random ``[n, k]`` weight in ``qtype``: quantized by the ``gguf`` package where it
+    can, else (the K-quants) random blocks under float16 scales in (0.001, 0.02]."""
     import gguf
 
-    print(f"{'format':<7}{'isa':<12}{'m x n x k':<20}{'int8 us':>10}{'fp32 us':>10}{'speedup':>9}")
+    fmt = cpu_quant.QTYPES[qtype]
+    if fmt.values == 32:
+        w = gen.standard_normal((n, k), dtype=np.float32)
+        data = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+        return cpu_quant.QuantizedWeight(torch.from_numpy(np.ascontiguousarray(data)), qtype, k)
+    blocks = gen.integers(0, 256, (n, k // fmt.values, fmt.bytes), dtype=np.uint8)
+    scale = gen.uniform(0.001, 0.02, (n, k // fmt.values, 1)).astype(np.float16).view(np.uint8)
+    at = (208,) if fmt.name == "Q6_K" else (0, 2)  # d (Q6_K's last), else d and dmin first
+    for offset in at:
+        blocks[:, :, offset : offset + 2] = scale
+    return cpu_quant.QuantizedWeight(torch.from_numpy(blocks.reshape(n, -1)), qtype, k)
+
+
+def kernels(rows: list[int]) -> None:
+    """Each format's quantized product against the float32 product on the dequantized
+    weight."""
+    print(f"{'format':<7}{'isa':<12}{'m x n x k':<20}{'quant us':>10}{'fp32 us':>10}{'speedup':>9}")
     gen = np.random.default_rng(0)
-    for name, qtype in (("Q4_1", 3), ("Q4_0", 2), ("Q8_0", 8)):
-        for n, k in ((1536, 576), (576, 1536)):
-            w = gen.standard_normal((n, k), dtype=np.float32)
-            data = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
-            qw = cpu_quant.QuantizedWeight(torch.from_numpy(np.ascontiguousarray(data)), qtype, k)
+    for qtype, fmt in cpu_quant.QTYPES.items():
+        for n, k in KERNEL_SHAPES[fmt.values]:
+            qw = random_weight(qtype, n, k, gen)
             ref = Linear(qw.dequantize())
             for m in rows:
                 x = torch.randn(m, k)
                 ours = _time_us(lambda x=x, qw=qw: cpu_quant.quant_matmul(x, qw))
                 theirs = _time_us(lambda x=x, ref=ref: ref(x))
                 print(
-                    f"{name:<7}{cpu_quant.isa():<12}{f'{m}x{n}x{k}':<20}{ours:>10.1f}"
+                    f"{fmt.name:<7}{cpu_quant.isa():<12}{f'{m}x{n}x{k}':<20}{ours:>10.1f}"
                     f"{theirs:>10.1f}{theirs / ours:>8.2f}x",
                     flush=True,
                 )
@@ -162,11 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if cpu_ops.load(build_dir()) is None or not cpu_quant.available():
-        raise SystemExit("tokenq bench quant: the int8 kernels are not built here (no AVX2?)")
+        raise SystemExit("tokenq bench quant: the quantized kernels are not built here (no AVX2?)")
     sections = {s.strip() for s in args.section.split(",")}
     print(
         f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"int8 kernels: {cpu_quant.isa()}; torch {torch.__version__}",
+        f"quantized kernels: {cpu_quant.isa()}; torch {torch.__version__}",
         flush=True,
     )
     model = resolve_model(args.model) if sections & {"engine", "accuracy"} else None
