@@ -406,8 +406,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.dtype not in _DTYPES and self.dtype != "auto":
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}")
-        if self.quantization not in (None, "none", "int8"):
-            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization not in (None, "none", "gguf", "int8"):
+            raise ValueError(f"quantization must be none, gguf or int8, got {self.quantization!r}")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -1,12 +1,14 @@
 """Which weights run quantized, and why (``--quantization``, vLLM's flag name).
 
 ``none`` dequantizes everything to the compute dtype (the path the greedy parity tests
-hold to fp32). Left unset, a quantized GGUF on the CPU runs its matrices of a type the
-kernels know (kernels/cpu_quant.py: QTYPES) as the file's blocks: with activations in int16
+hold to fp32). ``gguf`` runs a quantized GGUF's matrices of a type the kernels know
+(kernels/cpu_quant.py: QTYPES) as the file's blocks, on the CPU: with activations in int16
 per block of 32 its next-token distributions match the same file dequantized to float32
 (top-1 1.000 on the default model, docs/performance.md). ``int8`` does the same and also
 quantizes float matrices (a safetensors folder, an F16/F32 GGUF, a type without a kernel)
-to int8 per output channel at load.
+to int8 per output channel at load. Left unset, everything is dequantized: the quantized
+kernels hold a quarter to an eighth of the memory but have measured slower than float32's
+oneDNN products on every CPU tried (docs/performance.md, Quantized weights).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from tokenq.engine.downloads import build_dir
 from tokenq.engine.gguf_loader import GGUF_SUFFIX, quantized_types
 from tokenq.kernels import cpu_ops, cpu_quant
 
-CHOICES = ("none", "int8")
+CHOICES = ("none", "gguf", "int8")
 
 
 @dataclass(frozen=True)
@@ -40,30 +42,38 @@ def choose(requested: str | None, device: torch.device, path: Path) -> Quantizat
         raise ValueError(f"quantization must be one of {CHOICES}, got {requested!r}")
     if requested == "none":
         return QuantizationChoice(False, False, "--quantization none")
-    if requested == "int8":
+    if requested in ("gguf", "int8"):
         if why_not := _kernels_missing(device):
-            raise ValueError(f"--quantization int8 cannot run: {why_not}")
+            raise ValueError(f"--quantization {requested} cannot run: {why_not}")
         isa = cpu_quant.isa()
-        return QuantizationChoice(True, True, f"--quantization int8, {isa} kernels")
-    return _default(device, path)
-
-
-def _default(device: torch.device, path: Path) -> QuantizationChoice:
-    """A quantized GGUF runs quantized where the kernels can run it; all else is float."""
+        if requested == "int8":
+            return QuantizationChoice(True, True, f"--quantization int8, {isa} kernels")
+        if not (runnable := _runnable(path)):
+            raise ValueError(
+                "--quantization gguf runs a quantized GGUF file's blocks: "
+                f"{path.name} holds no matrices of a type the quantized kernels run"
+            )
+        return QuantizationChoice(
+            True, False, f"--quantization gguf, the file's {'/'.join(runnable)} on {isa} kernels"
+        )
     if not (path.is_file() and path.suffix == GGUF_SUFFIX):
         return QuantizationChoice(False, False, "not a quantized GGUF")
-    types = quantized_types(path)
-    runnable = sorted(t for t in types if t in {f.name for f in cpu_quant.QTYPES.values()})
-    if not runnable:
+    if not (runnable := _runnable(path)):
         return QuantizationChoice(False, False, "no matrices of a type the quantized kernels run")
-    if why_not := _kernels_missing(device):
-        return QuantizationChoice(False, False, f"the file is {'/'.join(runnable)} but {why_not}")
     return QuantizationChoice(
-        True,
         False,
-        f"the file's {'/'.join(runnable)} matrices on the {cpu_quant.isa()} kernels, "
-        "as a quantized GGUF runs by default; --quantization none dequantizes",
+        False,
+        f"the file's {'/'.join(runnable)} matrices are dequantized: the quantized kernels "
+        "measured slower than float32; --quantization gguf runs them on the CPU",
     )
+
+
+def _runnable(path: Path) -> list[str]:
+    """The quantized types of a GGUF at ``path`` that the kernels run (none: not a GGUF)."""
+    if not (path.is_file() and path.suffix == GGUF_SUFFIX):
+        return []
+    kernels = {f.name for f in cpu_quant.QTYPES.values()}
+    return sorted(t for t in quantized_types(path) if t in kernels)
 
 
 def _kernels_missing(device: torch.device) -> str:

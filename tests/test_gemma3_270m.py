@@ -1,7 +1,7 @@
 """The real Gemma 3 270M (Q4_K_M GGUF from the package registry, `--model gemma3-270m`)
 against transformers loading the same file, in float32: greedy tokens equal on several
 prompts, one longer than its 512-token window, fed in chunks. And the file run as its blocks
-on the quantized kernels (its default) against the same file dequantized."""
+on the quantized kernels (`--quantization gguf`) against the same file dequantized."""
 
 from __future__ import annotations
 
@@ -122,7 +122,13 @@ def test_gemma3_270m_runs_its_k_quant_blocks_and_agrees_with_its_fp32(engine: LL
     and 32 teacher-forced positions of the README within the issue's bars against the
     dequantized float32 run (measured over 128: top-1 1.000, KL 1.8e-7)."""
     quantized = LLMEngine(
-        EngineConfig(model=GEMMA3_270M, device="cpu", dtype="float32", num_kv_blocks=16)
+        EngineConfig(
+            model=GEMMA3_270M,
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=16,
+            quantization="gguf",
+        )
     )
     assert all(isinstance(lin, QuantLinear) for lin in linears(quantized))
     parts = [part.name for lin in linears(quantized) for part in lin.parts]  # type: ignore[union-attr]

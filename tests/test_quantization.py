@@ -48,17 +48,17 @@ def linears(eng: LLMEngine) -> list[Linear | QuantLinear]:
 
 @pytest.fixture(scope="module")
 def quantized() -> LLMEngine:
-    return engine(DEFAULT_MODEL)
+    return engine(DEFAULT_MODEL, quantization="gguf")
 
 
-def test_a_quantized_gguf_runs_its_blocks_by_default_and_says_why(
+def test_quantization_gguf_runs_a_files_blocks_and_says_why(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="tokenq.engine.llm_engine")
-    eng = engine(DEFAULT_MODEL)
+    eng = engine(DEFAULT_MODEL, quantization="gguf")
     assert (
-        f"quantization: gguf blocks (the file's Q4_1/Q8_0 matrices on the {cpu_quant.isa()} "
-        "kernels, as a quantized GGUF runs by default; --quantization none dequantizes)"
+        "quantization: gguf blocks (--quantization gguf, the file's Q4_1/Q8_0 on "
+        f"{cpu_quant.isa()} kernels)"
     ) in caplog.text
     assert all(isinstance(lin, QuantLinear) for lin in linears(eng))
     # resident: the file's own bytes for every matrix, and the tied lm_head is the embedding
@@ -79,11 +79,15 @@ def test_quantization_none_dequantizes_and_int8_needs_the_cpu() -> None:
     assert (none.keep_quantized, none.int8, none.reason) == (False, False, "--quantization none")
     with pytest.raises(ValueError, match="run on the CPU"):
         quantization.choose("int8", torch.device("cuda"), path)
-    auto_cuda = quantization.choose(None, torch.device("cuda"), path)
-    assert not auto_cuda.keep_quantized and auto_cuda.reason == (
-        "the file is Q4_1/Q8_0 but the quantized kernels run on the CPU, not cuda"
-    )
-    with pytest.raises(ValueError, match="quantization must be none or int8"):
+    for device in (CPU, torch.device("cuda")):
+        auto = quantization.choose(None, device, path)
+        assert not auto.keep_quantized and auto.reason == (
+            "the file's Q4_1/Q8_0 matrices are dequantized: the quantized kernels measured "
+            "slower than float32; --quantization gguf runs them on the CPU"
+        )
+    with pytest.raises(ValueError, match="gguf runs a quantized GGUF file's blocks"):
+        quantization.choose("gguf", CPU, path.parent)
+    with pytest.raises(ValueError, match="quantization must be none, gguf or int8"):
         EngineConfig(quantization="fp8")
     assert all(
         isinstance(lin, Linear) for lin in linears(engine(DEFAULT_MODEL, quantization="none"))

@@ -37,7 +37,7 @@ from tokenq.kernels import cpu_ops, cpu_quant
 REPO = Path(__file__).resolve().parents[2]
 # (path name, engine options)
 PATHS = {
-    "quantized": {"dtype": "float32"},  # a quantized GGUF's default
+    "quantized": {"dtype": "float32", "quantization": "gguf"},
     "float32": {"dtype": "float32", "quantization": "none"},
     "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
 }

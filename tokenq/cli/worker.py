@@ -46,9 +46,9 @@ ENGINE_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "num_threads": (int, "torch CPU threads"),
     "quantization": (
         str,
-        "none (dequantize everything), int8 (also float weights to int8 per channel); "
-        "unset: a quantized GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K blocks run as they "
-        "are on the CPU's quantized kernels, all else dequantized",
+        "gguf (a quantized GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K blocks run as they "
+        "are on the CPU's quantized kernels), int8 (that, and float weights to int8 per "
+        "channel), none; unset: every weight dequantized",
     ),
 }
 # WorkerConfig field -> (flag, parser, help)
