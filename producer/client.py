@@ -949,6 +949,25 @@ def _by_shard(
     return groups
 
 
+class _Identified(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+J = TypeVar("J", bound=_Identified)
+
+
+def _replies_by_shard(
+    layout: Layout, shards: list[Any], jobs: Iterable[J]
+) -> dict[int, dict[str, J]]:
+    """The jobs by the reply stream each follows, grouped by the shard its id falls in."""
+    groups: dict[int, dict[str, J]] = {}
+    for j in jobs:
+        index = layout.index(j.id)
+        groups.setdefault(index, {})[shards[index].keys.reply(j.id)] = j
+    return groups
+
+
 def _call_on(conn: Any, *command: Any) -> Any:
     conn.send_packed_command([hiredis.pack_command(command)])
     return conn.read_response()
@@ -1226,10 +1245,7 @@ class Client:
         self, jobs: Iterable[Job], timeout: float | None = None
     ) -> Iterator[tuple[Job, Event]]:
         """Events of many jobs as they arrive (each job's in order), until each has ended."""
-        by_shard: dict[int, dict[str, Job]] = {}
-        for j in jobs:
-            index = self.layout.index(j.id)
-            by_shard.setdefault(index, {})[self._shards[index].keys.reply(j.id)] = j
+        by_shard = _replies_by_shard(self.layout, self._shards, jobs)
         follows = [
             (self._shards[index].reader.follow(dict.fromkeys(by_key, "0-0"), timeout), by_key)
             for index, by_key in by_shard.items()
@@ -1565,10 +1581,7 @@ class AsyncClient:
         self, jobs: Iterable[AsyncJob], timeout: float | None = None
     ) -> AsyncIterator[tuple[AsyncJob, Event]]:
         """As `Client.stream_many`."""
-        by_shard: dict[int, dict[str, AsyncJob]] = {}
-        for j in jobs:
-            index = self.layout.index(j.id)
-            by_shard.setdefault(index, {})[self._shards[index].keys.reply(j.id)] = j
+        by_shard = _replies_by_shard(self.layout, self._shards, jobs)
         follows = [
             (self._shards[index].reader.follow(dict.fromkeys(by_key, "0-0"), timeout), by_key)
             for index, by_key in by_shard.items()

@@ -131,7 +131,36 @@ def _host_port(url: str) -> tuple[str, int]:
     return kwargs.get("host", "127.0.0.1"), int(kwargs.get("port", 6379))
 
 
-class Cluster:
+class _Topology:
+    """When a cluster client looks at the slots again: after a failure (`failed`), at most
+    once per REFRESH_EVERY_S; `epoch` counts the looks, so connections from before one
+    connect again."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self._stale = False
+        self._refreshed_at = time.monotonic()
+
+    def failed(self) -> None:
+        """A connection failed or the cluster refused (MOVED, CLUSTERDOWN, READONLY): look
+        at the slots again before the next connection; the connections made before that
+        look connect again before their next command."""
+        self._stale = True
+
+    def _refresh_due(self) -> bool:
+        """Whether to look now (and the look is counted as started)."""
+        now = time.monotonic()
+        if self._stale and now - self._refreshed_at >= REFRESH_EVERY_S:
+            self._refreshed_at = now
+            return True
+        return False
+
+    def _looked(self) -> None:
+        self._stale = False
+        self.epoch += 1
+
+
+class Cluster(_Topology):
     """A Redis Cluster as tokenq uses it. `redis` (redis-py's `RedisCluster`) serves keys
     of any slot and follows MOVED itself; `bound(key)` is a plain `redis.Redis` whose
     connections go to whichever primary holds that key's slot when they connect, so that a
@@ -148,10 +177,8 @@ class Cluster:
         self.redis = RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in seeds], **cluster_options
         )
+        super().__init__()
         self._lock = threading.Lock()
-        self.epoch = 0  # counts the looks at the slots: a connection from before reconnects
-        self._stale = False
-        self._refreshed_at = time.monotonic()
         self._bound: list[redis.Redis] = []
 
     def shard_count(self, namespace: str, wanted: int | None = None) -> int:
@@ -178,13 +205,10 @@ class Cluster:
         """(host, port) of the primary that holds `slot`, refreshed first if a connection
         failed or a command was refused since the last look."""
         with self._lock:
-            now = time.monotonic()
-            if self._stale and now - self._refreshed_at >= REFRESH_EVERY_S:
-                self._refreshed_at = now
+            if self._refresh_due():
                 try:
                     self.redis.nodes_manager.initialize()
-                    self._stale = False
-                    self.epoch += 1
+                    self._looked()
                 except redis.RedisError as exc:
                     log.warning("redis cluster topology not refreshed: %s", exc)
         node = self.redis.nodes_manager.get_node_from_slot(slot)
@@ -202,12 +226,6 @@ class Cluster:
         conn = redis.Redis.from_pool(pool_class(**kwargs))
         self._bound.append(conn)
         return conn
-
-    def failed(self) -> None:
-        """A connection failed or the cluster refused (MOVED, CLUSTERDOWN, READONLY): look
-        at the slots again before the next connection; the connections made before that
-        look connect again before their next command."""
-        self._stale = True
 
     def close(self) -> None:
         for conn in self._bound:
@@ -300,7 +318,7 @@ async def connect_async(
     return cluster
 
 
-class AsyncCluster:
+class AsyncCluster(_Topology):
     """`Cluster` for asyncio: `redis` (redis-py's asyncio `RedisCluster`) serves keys of
     any slot; `bound(key)` is a `redis.asyncio.Redis` whose connections go to the primary
     of that key's slot, looked up again after a failure."""
@@ -319,10 +337,8 @@ class AsyncCluster:
             startup_nodes=[AsyncClusterNode(host, port) for host, port in seeds],
             **cluster_options,
         )
+        super().__init__()
         self._lock = asyncio.Lock()
-        self.epoch = 0
-        self._stale = False
-        self._refreshed_at = time.monotonic()
         self._bound: list[aioredis.Redis] = []
 
     async def shard_count(self, namespace: str, wanted: int | None = None) -> int:
@@ -341,13 +357,10 @@ class AsyncCluster:
         """As `Cluster.primary_of`."""
         async with self._lock:
             await self.redis.initialize()  # nothing once the slots are known
-            now = time.monotonic()
-            if self._stale and now - self._refreshed_at >= REFRESH_EVERY_S:
-                self._refreshed_at = now
+            if self._refresh_due():
                 try:
                     await self.redis.nodes_manager.initialize()
-                    self._stale = False
-                    self.epoch += 1
+                    self._looked()
                 except redis.RedisError as exc:
                     log.warning("redis cluster topology not refreshed: %s", exc)
         node = self.redis.nodes_manager.get_node_from_slot(slot)
@@ -365,9 +378,6 @@ class AsyncCluster:
         conn = aioredis.Redis.from_pool(pool_class(**kwargs))
         self._bound.append(conn)
         return conn
-
-    def failed(self) -> None:
-        self._stale = True
 
     async def aclose(self) -> None:
         for conn in self._bound:
