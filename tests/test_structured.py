@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from tokenq.engine import LLM
 from tokenq.engine.outputs import RequestDelta
 from tokenq.engine.sequence import RequestMetrics
 from tokenq.engine.structured import GrammarCompiler
-from tokenq.producer.client import Client
+from tokenq.producer.client import Client, Job
 from tokenq.protocol import (
     DoneEvent,
     InvalidRequest,
@@ -282,25 +282,16 @@ def test_a_dead_workers_structured_job_resumes_elsewhere_and_still_validates(
     )
     client = Client(redis_url, namespace=redis_namespace, **CLIENT)
     job = client.submit("Vote.", max_tokens=60, temperature=0, structured_outputs={"json": schema})
-    config = fast_config(redis_namespace, claim_idle_ms=500, claim_interval_s=0.2)
-    dead = Worker(make_engine(tiny_model), client.redis, replace(config, consumer="dead"))
-    dead.register()
 
-    def published() -> int:
+    def published() -> list[int]:
         events = reply_events(client, job.id)
-        return sum(len(e.token_ids) for e in events if isinstance(e, TokenEvent))
+        return [sum(len(e.token_ids) for e in events if isinstance(e, TokenEvent))]
 
-    while published() < 3:
-        dead.run_once()
-    before = published()
-    assert job.status() == "running"  # the dead worker left it mid-generation
-    rescuer = Worker(make_engine(tiny_model), client.redis, replace(config, consumer="rescuer"))
-    with WorkerThread(rescuer):
-        wait_for(lambda: job.status() == "done", timeout=60)
+    before, rescuer = left_mid_job_then_rescued(client, job, tiny_model, published)
     events = reply_events(client, job.id)
     reply = check_reply(events)
     assert not any(e.type == "restart" for e in events)
-    assert reply.done.finish_reason == "stop" and len(reply.done.token_ids) > before
+    assert reply.done.finish_reason == "stop" and len(reply.done.token_ids) > before[0]
     jsonschema.validate(json.loads(reply.done.text), schema)
     scrape = rescuer.metrics.registry.get_sample_value
     assert scrape("tokenq:structured_requests_total", {"model": "tiny"}) == 1
@@ -326,9 +317,6 @@ def test_a_dead_workers_structured_job_of_n_resumes_every_output_and_each_valida
     job = client.submit(
         "Vote.", n=2, temperature=0.9, seed=5, max_tokens=60, structured_outputs=spec
     )
-    config = fast_config(redis_namespace, claim_idle_ms=500, claim_interval_s=0.2)
-    dead = Worker(make_engine(tiny_model), client.redis, replace(config, consumer="dead"))
-    dead.register()
 
     def published() -> list[int]:
         counts = [0, 0]
@@ -337,13 +325,7 @@ def test_a_dead_workers_structured_job_of_n_resumes_every_output_and_each_valida
                 counts[e.output] += len(e.token_ids)
         return counts
 
-    while min(published()) < 3:
-        dead.run_once()
-    before = published()
-    assert job.status() == "running"  # the dead worker left it mid-generation
-    rescuer = Worker(make_engine(tiny_model), client.redis, replace(config, consumer="rescuer"))
-    with WorkerThread(rescuer):
-        wait_for(lambda: job.status() == "done", timeout=60)
+    before, _ = left_mid_job_then_rescued(client, job, tiny_model, published)
     events = reply_events(client, job.id)
     assert not any(e.type == "restart" for e in events)
     done = events[-1]
@@ -352,6 +334,24 @@ def test_a_dead_workers_structured_job_of_n_resumes_every_output_and_each_valida
         assert output.finish_reason == "stop" and len(output.token_ids) > seen
         jsonschema.validate(json.loads(output.text), schema)
     client.close()
+
+
+def left_mid_job_then_rescued(
+    client: Client, job: Job, model: Path, published: Callable[[], list[int]]
+) -> tuple[list[int], Worker]:
+    """A worker that dies once every output has published 3 tokens, then a rescuer that
+    takes the job over to its end: what each output had published, and the rescuer."""
+    config = fast_config(client.keys.namespace, claim_idle_ms=500, claim_interval_s=0.2)
+    dead = Worker(make_engine(model), client.redis, replace(config, consumer="dead"))
+    dead.register()
+    while min(published()) < 3:
+        dead.run_once()
+    before = published()
+    assert job.status() == "running"  # the dead worker left it mid-generation
+    rescuer = Worker(make_engine(model), client.redis, replace(config, consumer="rescuer"))
+    with WorkerThread(rescuer):
+        wait_for(lambda: job.status() == "done", timeout=60)
+    return before, rescuer
 
 
 def reply_events(client: Client, job_id: str) -> list[Any]:
