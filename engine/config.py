@@ -396,8 +396,8 @@ class EngineConfig:
     # compile before the job ends with invalid_params.
     grammar_cache_size: int = 256
     grammar_compile_timeout: float = 10.0
-    # None: a quantized GGUF's blocks on the CPU's quantized kernels, all else float; "none":
-    # all dequantized; "int8": a GGUF's blocks, and float weights to int8 per channel
+    # None and "none": all dequantized to the compute dtype; "gguf": a quantized GGUF's blocks
+    # on the CPU's quantized kernels; "int8": those, and float weights to int8 per block of 32
     quantization: str | None = None
 
     def __post_init__(self) -> None:

@@ -73,6 +73,7 @@ class QuantLinear:
         return sum(p.nbytes for p in self.parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
         x = x.float()
         if self.weight is not None:
             out = quant_matmul(x, self.weight)
@@ -84,7 +85,7 @@ class QuantLinear:
                 start += part.shape[0]
         if self.bias is not None:
             out += self.bias
-        return out.to(x.dtype)
+        return out.to(dtype)
 
 
 def build_linear(

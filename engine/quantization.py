@@ -6,7 +6,7 @@ hold to fp32). ``gguf`` runs a quantized GGUF's matrices of a type the kernels k
 per block of 32 its next-token distributions match the same file dequantized to float32
 (top-1 1.000 on the default model, docs/performance.md). ``int8`` does the same and also
 quantizes float matrices (a safetensors folder, an F16/F32 GGUF, a type without a kernel)
-to int8 per output channel at load. Left unset, everything is dequantized: the quantized
+to int8 per block of 32 at load (Q8_0). Left unset, everything is dequantized: the quantized
 kernels hold a quarter to an eighth of the memory but have measured slower than float32's
 oneDNN products on every CPU tried (docs/performance.md, Quantized weights).
 """
@@ -28,7 +28,7 @@ CHOICES = ("none", "gguf", "int8")
 @dataclass(frozen=True)
 class QuantizationChoice:
     keep_quantized: bool  # a GGUF's matrices of a kernel's type stay as the file's blocks
-    int8: bool  # float matrices become int8 per output channel
+    int8: bool  # float matrices become int8 per block of 32
     reason: str  # for the worker's log line
 
     @property

@@ -66,10 +66,11 @@ _SIGNATURES = {
 # The quantized products (cpu_quant.h), built only on x86 with AVX2: absent elsewhere.
 _QUANT_SIGNATURES = {
     "quant_matmul_f32": (
-        [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int],
+        [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, ctypes.c_int, ctypes.c_int],
         ctypes.c_int,
     ),
     "dequant_rows_f32": ([ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr], None),
+    "dequantize_f32": ([ctypes.c_int, _ptr, _i64, _i64, _ptr, ctypes.c_int], None),
 }
 # The suffix of each dtype's kernels in the library.
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}

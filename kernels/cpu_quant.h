@@ -17,6 +17,7 @@
 #define MT 4       /* activation rows sharing each unpacked weight block */
 #define NR 2       /* weight rows sharing each loaded activation block */
 #define NCHUNK 16  /* weight rows per thread's work item */
+#define KB 128     /* values of k per decoded block of the float-tile product */
 
 /* gguf.GGMLQuantizationType values */
 #define QTYPE_Q4_0 2
@@ -143,25 +144,71 @@ static void decode_block(int qtype, const uint8_t *row, int64_t b, int16_t q[QK]
 #define ISA(f) f##_avx2
 /* the eight int32 sums of four adjacent int16 products: a . b over 16 values, c . d over 16 */
 #define DOT2_S16(a, b, c, d) _mm256_add_epi32(_mm256_madd_epi16(a, b), _mm256_madd_epi16(c, d))
+/* float32 vectors of the float-tile product: 8 lanes, 2 x 4 accumulators of 16 registers */
+#define FLANES 8
+#define FNR 2
+#define FNW 6
+#define FVEC __m256
+#define FLOAD _mm256_loadu_ps
+#define FSTORE _mm256_storeu_ps
+#define FSET1 _mm256_set1_ps
+#define FFMA _mm256_fmadd_ps
+#define FZERO _mm256_setzero_ps
+#define FHSUM hsum8
 #include "cpu_quant_isa.h"
 #undef ISA_ATTR
 #undef ISA
 #undef DOT2_S16
+#undef FLANES
+#undef FNR
+#undef FNW
+#undef FSTORE
+#undef FSET1
+#undef FVEC
+#undef FLOAD
+#undef FFMA
+#undef FZERO
+#undef FHSUM
 
 #define ISA_ATTR __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define ISA(f) f##_vnni
 #define DOT2_S16(a, b, c, d) _mm256_dpwssd_epi32(_mm256_madd_epi16(a, b), c, d)
+/* 16 lanes, 4 x 4 accumulators of 32 registers */
+#define FLANES 16
+#define FNR 4
+#define FNW 12
+#define FVEC __m512
+#define FLOAD _mm512_loadu_ps
+#define FSTORE _mm512_storeu_ps
+#define FSET1 _mm512_set1_ps
+#define FFMA _mm512_fmadd_ps
+#define FZERO _mm512_setzero_ps
+#define FHSUM _mm512_reduce_add_ps
 #include "cpu_quant_isa.h"
 #undef ISA_ATTR
 #undef ISA
 #undef DOT2_S16
+#undef FLANES
+#undef FNR
+#undef FNW
+#undef FSTORE
+#undef FSET1
+#undef FVEC
+#undef FLOAD
+#undef FFMA
+#undef FZERO
+#undef FHSUM
 
 /* out[m, n] = x[m, k] . dequant(w)[n, k], out's rows ldo apart (a column slice of a wider
- * output); `vnni` picks vpdpwssd (the caller has checked the CPU has it). Returns -1 where
- * the scratch for the quantized activations cannot be had. */
+ * output); `vnni` picks the AVX-512 kernels (the caller has checked the CPU has them), and
+ * `float_tiles` the float-tile product over the int16 one. Returns -1 where a buffer cannot
+ * be had. */
 int quant_matmul_f32(int qtype, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
-                     float *out, int64_t ldo, int vnni)
+                     float *out, int64_t ldo, int vnni, int float_tiles)
 {
+    if (float_tiles)
+        return vnni ? float_matmul_vnni(qtype, w, n, k, x, m, out, ldo)
+                    : float_matmul_avx2(qtype, w, n, k, x, m, out, ldo);
     const int64_t nb = k / QK;
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)(m * k));
     float *xd = malloc(sizeof(float) * (size_t)(2 * m * nb));
@@ -178,6 +225,15 @@ int quant_matmul_f32(int qtype, const uint8_t *w, int64_t n, int64_t k, const fl
     free(xq);
     free(xd);
     return 0;
+}
+
+/* All n rows of w dequantized into out [n, k], in parallel. */
+void dequantize_f32(int qtype, const uint8_t *w, int64_t n, int64_t k, float *out, int vnni)
+{
+    if (vnni)
+        dequantize_vnni(qtype, w, n, k, out);
+    else
+        dequantize_avx2(qtype, w, n, k, out);
 }
 
 /* Rows ids[0..count) of w dequantized into out [count, k]: the embedding lookup. */

@@ -13,6 +13,7 @@ call that first.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -108,14 +109,35 @@ def _fn(name: str):
     return getattr(cpu_ops._library, name)
 
 
+# Which product runs for how many activation rows (docs/performance.md, Quantized weights):
+# the int16 kernels where the weight's bytes cost more than the arithmetic (a row or two),
+# float tiles decoded per chunk where a few rows share each decoded value, and a whole
+# decoded matrix under torch's product where enough rows amortize the decoding.
+PATHS = ("int16", "float", "dequantize")
+FLOAT_ROWS = 6
+DEQUANTIZE_ROWS = 128
+PIECE_VALUES = 1 << 22  # a whole-matrix decode goes by pieces of at most this many values
+_scratch = threading.local()
+
+
+def path_for(rows: int) -> str:
+    """The product ``quant_matmul`` runs for ``rows`` activation rows."""
+    return "int16" if rows < FLOAT_ROWS else "float" if rows < DEQUANTIZE_ROWS else "dequantize"
+
+
 def quant_matmul(
-    x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None
+    x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None, path: str | None = None
 ) -> torch.Tensor:
-    """``x @ dequantize(w).T`` for float32 ``x [m, cols]``, x in int16 per block of 32.
-    ``out`` may be a column slice of a wider float32 output (rows contiguous, any row
-    stride), so the parts of a layer stacked by rows write one output."""
+    """``x @ dequantize(w).T`` for float32 ``x [m, cols]``. ``path`` (default: by m, as
+    ``path_for``) is ``int16`` (x in int16 per block of 32, integer dot products), ``float``
+    (the weight decoded to float32 per chunk of rows) or ``dequantize`` (decoded by pieces,
+    then torch's product). ``out`` may be a column slice of a wider float32 output (rows
+    contiguous, any row stride), so the parts of a layer stacked by rows write one output."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.cols:
         raise ValueError(f"x must be float32 [m, {w.cols}], got {x.dtype} {list(x.shape)}")
+    path = path or path_for(x.shape[0])
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     x = x.contiguous()
     n = w.data.shape[0]
     if out is None:
@@ -127,36 +149,59 @@ def quant_matmul(
         or out.stride(0) < n
     ):
         raise ValueError(f"out must be float32 [{x.shape[0]}, {n}] with contiguous rows")
-    if x.shape[0]:
-        status = _fn("quant_matmul_f32")(
-            w.qtype,
-            w.data.data_ptr(),
-            n,
-            w.cols,
-            x.data_ptr(),
-            x.shape[0],
-            out.data_ptr(),
-            out.stride(0),
-            int(isa() == "avx512_vnni"),
-        )
-        if status:
-            raise MemoryError("no memory for the quantized activations")
+    if not x.shape[0]:
+        return out
+    vnni = int(isa() == "avx512_vnni")
+    if path == "dequantize":
+        rows = max(1, PIECE_VALUES // w.cols)
+        for start in range(0, n, rows):
+            piece = w.data[start : start + rows]
+            decoded = _decode_buffer(piece.shape[0] * w.cols).view(piece.shape[0], w.cols)
+            _fn("dequantize_f32")(
+                w.qtype, piece.data_ptr(), piece.shape[0], w.cols, decoded.data_ptr(), vnni
+            )
+            torch.mm(x, decoded.T, out=out[:, start : start + piece.shape[0]])
+        return out
+    status = _fn("quant_matmul_f32")(
+        w.qtype,
+        w.data.data_ptr(),
+        n,
+        w.cols,
+        x.data_ptr(),
+        x.shape[0],
+        out.data_ptr(),
+        out.stride(0),
+        vnni,
+        int(path == "float"),
+    )
+    if status:
+        raise MemoryError("no memory for the quantized product's buffers")
     return out
 
 
+def _decode_buffer(values: int) -> torch.Tensor:
+    """This thread's float32 buffer of at least ``values``: decoded pieces reuse it rather
+    than allocate per call (threads: the engines of one process run on their own)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < values:
+        buf = _scratch.buf = torch.empty(values)
+    return buf[:values]
+
+
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
-    """``weight [rows, cols]`` to int8 with one scale per output channel (row), stored as
-    Q8_0 blocks that all carry the row's scale, so the Q8_0 kernel runs it. The scale is
-    rounded to float16 first and the values quantized against the rounded scale."""
+    """``weight [rows, cols]`` to int8 with one scale per block of 32 values of a row: Q8_0
+    blocks, as llama.cpp writes them, that the Q8_0 kernels run. One scale per output channel
+    measured top-1 0.941 on the default model's weights; a row's spread needs the finer
+    scales. Each scale is rounded to float16 first and the values quantized against it."""
     rows, cols = weight.shape
     if cols % BLOCK:
         raise ValueError(f"int8 needs rows of a multiple of {BLOCK} values, got {cols}")
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127).to(torch.float16)
-    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
-    q = torch.round(w / safe[:, None]).clamp(-127, 127).to(torch.int8)
     blocks = cols // BLOCK
+    w = weight.detach().float().reshape(rows, blocks, BLOCK)
+    scale = (w.abs().amax(dim=2) / 127).to(torch.float16)
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    q = torch.round(w / safe[:, :, None]).clamp(-127, 127).to(torch.int8)
     data = torch.empty(rows, blocks, 34, dtype=torch.uint8)
-    data[:, :, :2] = scale.view(torch.uint8).view(rows, 1, 2)
-    data[:, :, 2:] = q.view(torch.uint8).view(rows, blocks, BLOCK)
+    data[:, :, :2] = scale.view(torch.uint8).view(rows, blocks, 2)
+    data[:, :, 2:] = q.view(torch.uint8)
     return QuantizedWeight(data.view(rows, blocks * 34), Q8_0, cols)

@@ -256,6 +256,213 @@ ISA(chunk)(const int qtype, const uint8_t *w0, int64_t wrows, int64_t ldo, int64
     }
 }
 
+/* `wrows` rows of w decoded to float32 (w = scale * q + offset) into `into`, k apart. */
+ISA_ATTR static inline __attribute__((always_inline)) void
+ISA(decode_rows_f32)(const int qtype, const uint8_t *w, int64_t wrows, int64_t k, float *into)
+{
+    const int64_t nb = k / QK, row_bytes = row_bytes_of(qtype, k);
+    for (int64_t j = 0; j < wrows; j++) {
+        float *dst = into + j * k;
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i lo, hi;
+            float scale, offset;
+            ISA(decode)(qtype, w + j * row_bytes, nb, b, &lo, &hi, &scale, &offset);
+#if FLANES == 16
+            const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
+            _mm512_storeu_ps(dst + b * QK,
+                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(lo)), s, o));
+            _mm512_storeu_ps(dst + b * QK + 16,
+                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(hi)), s, o));
+#else
+            const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+            const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                     _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_ps(
+                    dst + b * QK + 8 * i,
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part[i])), s, o));
+#endif
+        }
+    }
+}
+
+/* x [m, k] into xt as groups of xg rows (a vector or two), each group [k, xg] (a value of
+ * k's xg rows contiguous), rows past m zero; columns split among the threads (called inside
+ * a parallel region). */
+ISA_ATTR static inline void ISA(group_x)(const float *x, int64_t m, int64_t k, float *xt,
+                                         int64_t xg)
+{
+    const int64_t groups = (m + xg - 1) / xg;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < k; c++)
+        for (int64_t g = 0; g < groups; g++) {
+            float *dst = xt + g * k * xg + c * xg;
+            for (int64_t r = 0; r < xg; r++)
+                dst[r] = g * xg + r < m ? x[(g * xg + r) * k + c] : 0.0f;
+        }
+}
+
+/* `nr` (at most FNW) rows of w, from row w0, against all m rows of x (in groups of xv
+ * vectors in xt), into out0's columns: k goes by in blocks of KB values, each block of the
+ * nr rows decoded to float32 into `wb` (small enough to stay in the first-level cache) and
+ * multiplied by every group of x in turn, a group's FNW x xv accumulator vectors kept in
+ * `acc` between blocks. Per value of k: xv vectors of x and a broadcast weight per row, no
+ * horizontal sums. Inlined with a constant qtype and xv. */
+ISA_ATTR static inline __attribute__((always_inline)) void
+ISA(float_rows)(const int qtype, const int xv, const uint8_t *w0, int64_t nr, int64_t k,
+                const float *xt, int64_t m, float *out0, int64_t ldo, float *wb, FVEC *acc)
+{
+    const int64_t xg = xv * FLANES, groups = (m + xg - 1) / xg, row_bytes = row_bytes_of(qtype, k), nb = k / QK;
+    for (int64_t k0 = 0; k0 < k; k0 += KB) {
+        const int64_t len = k - k0 < KB ? k - k0 : KB;
+        for (int j = 0; j < FNW; j++) { /* rows past nr repeat the last, not written */
+            const uint8_t *row = w0 + (j < nr ? j : nr - 1) * row_bytes;
+            for (int64_t b = k0 / QK; b < (k0 + len) / QK; b++) {
+                __m256i lo, hi;
+                float scale, offset;
+                ISA(decode)(qtype, row, nb, b, &lo, &hi, &scale, &offset);
+                float *dst = wb + j * KB + (b * QK - k0);
+#if FLANES == 16
+                const __m512 sv = _mm512_set1_ps(scale), ov = _mm512_set1_ps(offset);
+                _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(lo)),
+                                                      sv, ov));
+                _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(
+                                               _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(hi)), sv, ov));
+#else
+                const __m256 sv = _mm256_set1_ps(scale), ov = _mm256_set1_ps(offset);
+                const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                         _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+                for (int i = 0; i < 4; i++)
+                    _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(
+                                                      _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part[i])),
+                                                      sv, ov));
+#endif
+            }
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            FVEC a[FNW][2];
+            FVEC *saved = acc + g * FNW * 2;
+#pragma GCC unroll 16
+            for (int j = 0; j < FNW; j++) {
+                a[j][0] = k0 ? saved[2 * j] : FZERO();
+                a[j][1] = k0 ? saved[2 * j + 1] : FZERO();
+            }
+            const float *xc = xt + g * k * xg + k0 * xg;
+            for (int64_t c = 0; c < len; c++, xc += xg) {
+                const FVEC x0 = FLOAD(xc), x1 = xv > 1 ? FLOAD(xc + FLANES) : FZERO();
+#pragma GCC unroll 16
+                for (int j = 0; j < FNW; j++) {
+                    const FVEC wv = FSET1(wb[j * KB + c]);
+                    a[j][0] = FFMA(wv, x0, a[j][0]);
+                    if (xv > 1)
+                        a[j][1] = FFMA(wv, x1, a[j][1]);
+                }
+            }
+            if (k0 + len < k) {
+#pragma GCC unroll 16
+                for (int j = 0; j < FNW; j++) {
+                    saved[2 * j] = a[j][0];
+                    saved[2 * j + 1] = a[j][1];
+                }
+                continue;
+            }
+            const int64_t rows = m - g * xg < xg ? m - g * xg : xg;
+            for (int j = 0; j < nr; j++) {
+                float lanes[2 * FLANES];
+                FSTORE(lanes, a[j][0]);
+                if (xv > 1)
+                    FSTORE(lanes + FLANES, a[j][1]);
+                for (int64_t r = 0; r < rows; r++)
+                    out0[(g * xg + r) * ldo + j] = lanes[r];
+            }
+        }
+    }
+}
+
+/* The float-tile product, for several activation rows: each tile of FNW weight rows is
+ * decoded to float32 a block of k at a time and multiplied by x as it is, so the weight's
+ * integers cost one conversion per value rather than one per block and activation row, and
+ * the product is the dequantize-then-matmul one. Returns -1 where a buffer cannot be had. */
+ISA_ATTR static int ISA(float_matmul)(int qtype, const uint8_t *w, int64_t n, int64_t k,
+                                      const float *x, int64_t m, float *out, int64_t ldo)
+{
+    const int xv = m > FLANES ? 2 : 1; /* vectors of x per group: one where one holds m */
+    const int64_t xg = xv * FLANES, groups = (m + xg - 1) / xg, tiles = (n + FNW - 1) / FNW;
+    float *xt = malloc(sizeof(float) * (size_t)(groups * xg * k));
+    if (xt == NULL)
+        return -1;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        ISA(group_x)(x, m, k, xt, xg);
+        float *wb = aligned_alloc(64, sizeof(float) * FNW * KB);
+        FVEC *acc = aligned_alloc(64, sizeof(FVEC) * (size_t)(groups * FNW * 2));
+        failed = wb == NULL || acc == NULL;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (wb == NULL || acc == NULL)
+                continue;
+            const int64_t n0 = t * FNW, nr = n - n0 < FNW ? n - n0 : FNW;
+            const uint8_t *w0 = w + n0 * row_bytes_of(qtype, k);
+#define FLOAT_ROWS(q)                                                                   \
+    (xv > 1 ? ISA(float_rows)(q, 2, w0, nr, k, xt, m, out + n0, ldo, wb, acc)           \
+            : ISA(float_rows)(q, 1, w0, nr, k, xt, m, out + n0, ldo, wb, acc))
+            switch (qtype) {
+            case QTYPE_Q8_0:
+                FLOAT_ROWS(QTYPE_Q8_0);
+                break;
+            case QTYPE_Q4_0:
+                FLOAT_ROWS(QTYPE_Q4_0);
+                break;
+            case QTYPE_Q4_1:
+                FLOAT_ROWS(QTYPE_Q4_1);
+                break;
+            case QTYPE_Q5_0:
+                FLOAT_ROWS(QTYPE_Q5_0);
+                break;
+            case QTYPE_Q5_1:
+                FLOAT_ROWS(QTYPE_Q5_1);
+                break;
+            case QTYPE_Q4_K:
+                FLOAT_ROWS(QTYPE_Q4_K);
+                break;
+            case QTYPE_Q5_K:
+                FLOAT_ROWS(QTYPE_Q5_K);
+                break;
+            default:
+                FLOAT_ROWS(QTYPE_Q6_K);
+            }
+#undef FLOAT_ROWS
+        }
+        free(wb);
+        free(acc);
+    }
+    free(xt);
+    return failed ? -1 : 0;
+}
+
+/* All n rows of w decoded to float32 into out [n, k], rows split among the threads. */
+ISA_ATTR static void ISA(dequantize)(int qtype, const uint8_t *w, int64_t n, int64_t k, float *out)
+{
+    const int64_t chunks = (n + NCHUNK - 1) / NCHUNK, row_bytes = row_bytes_of(qtype, k);
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * NCHUNK, rows = n0 + NCHUNK < n ? NCHUNK : n - n0;
+        const uint8_t *w0 = w + n0 * row_bytes;
+        float *o = out + n0 * k;
+        switch (qtype) {
+        case QTYPE_Q8_0: ISA(decode_rows_f32)(QTYPE_Q8_0, w0, rows, k, o); break;
+        case QTYPE_Q4_0: ISA(decode_rows_f32)(QTYPE_Q4_0, w0, rows, k, o); break;
+        case QTYPE_Q4_1: ISA(decode_rows_f32)(QTYPE_Q4_1, w0, rows, k, o); break;
+        case QTYPE_Q5_0: ISA(decode_rows_f32)(QTYPE_Q5_0, w0, rows, k, o); break;
+        case QTYPE_Q5_1: ISA(decode_rows_f32)(QTYPE_Q5_1, w0, rows, k, o); break;
+        case QTYPE_Q4_K: ISA(decode_rows_f32)(QTYPE_Q4_K, w0, rows, k, o); break;
+        case QTYPE_Q5_K: ISA(decode_rows_f32)(QTYPE_Q5_K, w0, rows, k, o); break;
+        default: ISA(decode_rows_f32)(QTYPE_Q6_K, w0, rows, k, o);
+        }
+    }
+}
+
 /* One format's chunks: decoded once into `scratch` where more than one activation tile
  * reads them (scratch non-NULL), else decoded in each tile. */
 ISA_ATTR static inline __attribute__((always_inline)) void

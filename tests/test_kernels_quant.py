@@ -7,7 +7,8 @@ package cannot quantize, are random bytes under random float16 scales, so every 
 of their packed scales and values comes up. Both are dequantized by the package for the
 reference. The activations are quantized to int16 per block of 32 by the kernel; the exact
 reference quantizes them the same way in torch, so the two differ by float summation order
-only.
+only. The float products (``path="float"``, ``"dequantize"``) take x as it is, so their
+reference is x times the dequantized weight.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ ISAS = [
         marks=pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI"),
     ),
 ]
-# (activation rows, weight rows, columns): single decode rows, odd row counts on both
-# sides, a tail of the 4-row activation tile and of the 16-row weight chunk; up to 4 rows
-# decode each weight block in the tile, more decode a chunk once for all tiles.
+# (activation rows, weight rows, columns) of the int16 product: single decode rows, odd row
+# counts on both sides, a tail of the 4-row activation tile and of the 16-row weight chunk;
+# up to 4 rows decode each weight block in the tile, more decode a chunk once for all tiles.
 SHAPES = [(1, 17, 32), (3, 33, 96), (5, 16, 64), (13, 47, 576), (64, 40, 160)]
 K_SHAPES = [(1, 17, 256), (3, 33, 512), (13, 47, 768), (64, 20, 256)]  # super-blocks of 256
 K_QUANTS = sorted(t for t, f in cpu_quant.QTYPES.items() if f.values == 256)
@@ -106,7 +107,7 @@ def test_quant_matmul_is_dequantize_then_matmul(
     w = quantized(gen, qtype, n, k)
     x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
     wide = torch.full((m, n + 5), float("nan"))  # out: a column slice of a wider output
-    out = cpu_quant.quant_matmul(x, w, wide[:, 2 : 2 + n])
+    out = cpu_quant.quant_matmul(x, w, wide[:, 2 : 2 + n], path="int16")
     assert wide[:, :2].isnan().all() and wide[:, 2 + n :].isnan().all()
     ref_w = reference_weight(w).double()
     exact = quantize_activations(x).double() @ ref_w.T
@@ -114,6 +115,43 @@ def test_quant_matmul_is_dequantize_then_matmul(
     # and the activation rounding costs what one int16 step per value costs
     full = x.double() @ ref_w.T
     assert ((out.double() - full).abs().max() / full.abs().max()) < 1e-3
+
+
+# (activation rows, weight rows, columns) of the float products: one vector of rows and
+# two, a group of rows and a part of one, a tail of the weight-row tile (12 rows on AVX-512,
+# 6 on AVX2) and of the 128-value block of k.
+FLOAT_SHAPES = [(1, 29, 160), (17, 13, 96), (40, 7, 576)]
+K_FLOAT_SHAPES = [(1, 29, 256), (40, 13, 768)]
+
+
+@pytest.mark.parametrize("path", ["float", "dequantize"])
+@pytest.mark.parametrize("qtype", sorted(cpu_quant.QTYPES), ids=lambda t: cpu_quant.QTYPES[t].name)
+def test_the_float_products_are_dequantize_then_matmul(
+    gen: torch.Generator, isa: str, qtype: int, path: str
+) -> None:
+    shapes = K_FLOAT_SHAPES if qtype in K_QUANTS else FLOAT_SHAPES
+    for m, n, k in shapes:
+        w = quantized(gen, qtype, n, k)
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+        wide = torch.full((m, n + 3), float("nan"))
+        out = cpu_quant.quant_matmul(x, w, wide[:, 1 : 1 + n], path=path)
+        assert wide[:, :1].isnan().all() and wide[:, 1 + n :].isnan().all()
+        exact = x.double() @ reference_weight(w).double().T
+        torch.testing.assert_close(
+            out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max(), msg=f"{m}x{n}x{k}"
+        )
+
+
+def test_the_product_follows_the_rows_it_is_given() -> None:
+    assert [cpu_quant.path_for(m) for m in (1, 5, 6, 127, 128)] == [
+        "int16",
+        "int16",
+        "float",
+        "float",
+        "dequantize",
+    ]
+    with pytest.raises(ValueError, match="path must be one of"):
+        cpu_quant.quant_matmul(torch.randn(1, 32), quantized(torch.Generator(), 8, 2, 32), path="x")
 
 
 @pytest.mark.parametrize("qtype", sorted(cpu_quant.QTYPES), ids=lambda t: cpu_quant.QTYPES[t].name)
@@ -125,11 +163,12 @@ def test_dequantized_rows_are_the_gguf_values(gen: torch.Generator, qtype: int) 
         w.rows(torch.tensor([9]))
 
 
-def test_int8_per_channel_keeps_each_row_within_half_a_step(gen: torch.Generator, isa: str) -> None:
-    weight = torch.randn(37, 64, generator=gen) * torch.rand(37, 1, generator=gen)
+def test_int8_keeps_each_block_of_32_within_half_its_step(gen: torch.Generator, isa: str) -> None:
+    weight = torch.randn(37, 64, generator=gen) * torch.rand(37, 64, generator=gen) ** 4
     w = cpu_quant.quantize_int8(weight)
     back = w.dequantize()
-    step = weight.abs().amax(1, keepdim=True) / 127
+    step = weight.view(37, 2, 32).abs().amax(2, keepdim=True).expand(37, 2, 32) / 127
+    step = step.reshape(37, 64)
     assert ((back - weight).abs() <= step * 0.5 + step * 1e-3).all()
     x = torch.randn(3, 64, generator=gen)
     exact = quantize_activations(x).double() @ back.double().T

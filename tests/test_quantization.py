@@ -124,7 +124,7 @@ def test_int8_on_a_safetensors_folder_agrees_with_its_fp32_run(tmp_path: Path) -
     seqs = [[rng.randint(200, 40000) for _ in range(SEQ_LEN)] for _ in range(2)]
     int8 = engine(folder, quantization="int8")
     assert all(isinstance(lin, QuantLinear) for lin in linears(int8))
-    assert {lin.weight.name for lin in linears(int8)} == {"Q8_0"}  # per-channel, Q8_0 layout
+    assert {lin.weight.name for lin in linears(int8)} == {"Q8_0"}  # int8 per block of 32: Q8_0
     result = agreement(
         engine_logits(engine(folder), seqs, CHUNKS), engine_logits(int8, seqs, CHUNKS)
     )
@@ -143,7 +143,7 @@ def test_a_type_without_a_kernel_is_dequantized_with_a_log_line(
     assert "matrices dequantized to float32, no quantized kernel for their type: 23 MXFP4" in (
         caplog.text
     )
-    assert {lin.weight.name for lin in linears(eng)} == {"Q8_0"}  # then int8 per channel
+    assert {lin.weight.name for lin in linears(eng)} == {"Q8_0"}  # then int8 per block of 32
     auto = quantization.choose(None, CPU, fp4)
     assert (auto.keep_quantized, auto.reason) == (
         False,
