@@ -1,8 +1,8 @@
 """``tokenq bench quant``: quantized weights on the quantized kernels against the float paths.
 
-Three sections, each a table: ``kernels`` (each format's quantized product against
-dequantize-then-matmul, the float32 weight packed as the engine packs it; the K-quants at
-shapes of whole super-blocks), ``engine`` (W1 and W2, a row per path: the file's blocks on
+Three sections, each a table: ``kernels`` (each format's quantized product, on the path its
+row count takes, against dequantize-then-matmul, the float32 weight packed as the engine
+packs it; the K-quants at shapes of whole super-blocks), ``engine`` (W1 and W2, a row per path: the file's blocks on
 the quantized kernels, the default, then float32 and bfloat16 dequantized; on the default
 model's Q4_1 file and on a Q8_0 file written from it with the ``gguf`` package) and
 ``accuracy`` (teacher-forced next-token distributions over the repository's own docs, the
@@ -110,7 +110,10 @@ def random_weight(
 def kernels(rows: list[int]) -> None:
     """Each format's quantized product against the float32 product on the dequantized
     weight."""
-    print(f"{'format':<7}{'isa':<12}{'m x n x k':<20}{'quant us':>10}{'fp32 us':>10}{'speedup':>9}")
+    print(
+        f"{'format':<7}{'isa':<12}{'path':<11}{'m x n x k':<20}{'quant us':>10}{'fp32 us':>10}"
+        f"{'speedup':>9}"
+    )
     gen = np.random.default_rng(0)
     for qtype, fmt in cpu_quant.QTYPES.items():
         for n, k in KERNEL_SHAPES[fmt.values]:
@@ -121,8 +124,8 @@ def kernels(rows: list[int]) -> None:
                 ours = _time_us(lambda x=x, qw=qw: cpu_quant.quant_matmul(x, qw))
                 theirs = _time_us(lambda x=x, ref=ref: ref(x))
                 print(
-                    f"{fmt.name:<7}{cpu_quant.isa():<12}{f'{m}x{n}x{k}':<20}{ours:>10.1f}"
-                    f"{theirs:>10.1f}{theirs / ours:>8.2f}x",
+                    f"{fmt.name:<7}{cpu_quant.isa():<12}{cpu_quant.path_for(m):<11}"
+                    f"{f'{m}x{n}x{k}':<20}{ours:>10.1f}{theirs:>10.1f}{theirs / ours:>8.2f}x",
                     flush=True,
                 )
 
