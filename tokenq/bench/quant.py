@@ -2,12 +2,12 @@
 
 Three sections, each a table: ``kernels`` (each format's quantized product, on the path its
 row count takes, against dequantize-then-matmul, the float32 weight packed as the engine
-packs it; the K-quants at shapes of whole super-blocks), ``engine`` (W1 and W2, a row per path: the file's blocks on
-the quantized kernels, the default, then float32 and bfloat16 dequantized; on the default
-model's Q4_1 file and on a Q8_0 file written from it with the ``gguf`` package) and
-``accuracy`` (teacher-forced next-token distributions over the repository's own docs, the
-quantized path against the same file dequantized to float32; ``--folder`` adds
-``--quantization int8`` on a safetensors folder against its float32 run).
+packs it; the K-quants at shapes of whole super-blocks), ``engine`` (W1 and W2, a row per
+path: the file's blocks on the quantized kernels, the default, then float32 and bfloat16
+dequantized; on the default model's Q4_1 file and on a Q8_0 file written from it with the
+``gguf`` package) and ``accuracy`` (teacher-forced next-token distributions over the
+repository's own docs, the quantized path against the same file dequantized to float32;
+``--folder`` adds ``--quantization int8`` on a safetensors folder against its float32 run).
 """
 
 from __future__ import annotations
