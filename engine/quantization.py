@@ -2,13 +2,13 @@
 
 ``none`` dequantizes everything to the compute dtype (the path the greedy parity tests
 hold to fp32). ``gguf`` runs a quantized GGUF's matrices of a type the kernels know
-(kernels/cpu_quant.py: QTYPES) as the file's blocks, on the CPU: with activations in int16
-per block of 32 its next-token distributions match the same file dequantized to float32
-(top-1 1.000 on the default model, docs/performance.md). ``int8`` does the same and also
-quantizes float matrices (a safetensors folder, an F16/F32 GGUF, a type without a kernel)
-to int8 per block of 32 at load (Q8_0). Left unset, everything is dequantized: the quantized
-kernels hold a quarter to an eighth of the memory but have measured slower than float32's
-oneDNN products on every CPU tried (docs/performance.md, Quantized weights).
+(kernels/cpu_quant.py: QTYPES) as the file's blocks, on the CPU: its next-token
+distributions match the same file dequantized to float32 (top-1 0.9998 on the default model,
+docs/performance.md). ``int8`` does the same and also quantizes float matrices (a
+safetensors folder, an F16/F32 GGUF, a type without a kernel) to int8 per block of 32 at load
+(Q8_0). Left unset, everything is dequantized: the quantized products hold a quarter to a
+sixth of float32's memory but through the engine run no faster than float32, and behind
+bfloat16 where the CPU has fast bf16 (docs/performance.md, Quantized weights).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def choose(requested: str | None, device: torch.device, path: Path) -> Quantizat
     return QuantizationChoice(
         False,
         False,
-        f"the file's {'/'.join(runnable)} matrices are dequantized: the quantized kernels "
-        "measured slower than float32; --quantization gguf runs them on the CPU",
+        f"the file's {'/'.join(runnable)} matrices are dequantized: the quantized products "
+        "measured no faster than float32; --quantization gguf runs them on the CPU",
     )
 
 

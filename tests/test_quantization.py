@@ -82,8 +82,8 @@ def test_quantization_none_dequantizes_and_int8_needs_the_cpu() -> None:
     for device in (CPU, torch.device("cuda")):
         auto = quantization.choose(None, device, path)
         assert not auto.keep_quantized and auto.reason == (
-            "the file's Q4_1/Q8_0 matrices are dequantized: the quantized kernels measured "
-            "slower than float32; --quantization gguf runs them on the CPU"
+            "the file's Q4_1/Q8_0 matrices are dequantized: the quantized products measured "
+            "no faster than float32; --quantization gguf runs them on the CPU"
         )
     with pytest.raises(ValueError, match="gguf runs a quantized GGUF file's blocks"):
         quantization.choose("gguf", CPU, path.parent)
