@@ -98,8 +98,8 @@ def build_linear(
 ) -> Linear | QuantLinear:
     """One layer from weights stacked by rows (Q/K/V, gate/up). Quantized parts stay as they
     are (those of one type joined into one weight); parts quantized and float together are
-    dequantized to ``dtype``; with ``int8`` the float weights become int8 per output
-    channel."""
+    dequantized to ``dtype``; with ``int8`` the float weights become int8 per block of
+    32."""
     types = {p.qtype if isinstance(p, QuantizedWeight) else None for p in parts}
     if None not in types:
         quantized: list[QuantizedWeight] = parts  # type: ignore[assignment]

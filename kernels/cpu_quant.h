@@ -1,7 +1,9 @@
 /* Matrix products on quantized weights: GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and
- * Q6_K blocks kept as the file holds them, activations quantized per block of 32 to int16,
- * and int16 dot products summed per block then scaled in float32. Included by cpu_ops.c, on
- * x86 with AVX2 only; kernels/cpu_quant.py checks shapes and picks the instruction set.
+ * Q6_K blocks kept as the file holds them. For a few activation rows, activations quantized
+ * per block of 32 to int16, and int16 dot products summed per block then scaled in float32;
+ * for more, the weights decoded to float32 by tiles (float_matmul) or whole (dequantize_f32,
+ * under torch's product). Included by cpu_ops.c, on x86 with AVX2 only; kernels/cpu_quant.py
+ * checks shapes and picks the product and the instruction set.
  *
  * Int16 activations rather than llama.cpp's int8: the default model's top-1 agreement with
  * float32 rose from 0.957 to the 0.98 bar only with the finer rounding (docs/performance.md).

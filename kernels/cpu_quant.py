@@ -3,11 +3,12 @@
 A ``QuantizedWeight`` holds GGUF blocks as the file stores them: per row, blocks of 32
 values (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: a float16 scale, a float16 minimum for the ``_1``
 types, 8-, 5- or 4-bit values) or super-blocks of 256 (Q4_K, Q5_K, Q6_K: sub-block scales
-and minima under float16 ones). ``quant_matmul`` quantizes the activations to int16 per
-block of 32 and multiplies the weights' integers by them: with AVX-512 VNNI's ``vpdpwssd``
-where the CPU has it, AVX2's ``vpmaddwd`` otherwise (or where ``TOKENQ_QUANT_ISA=avx2``
-forces it, as the tests do). The kernels live in the library that ``cpu_ops.load`` builds;
-call that first.
+and minima under float16 ones). ``quant_matmul`` picks its product by the activation rows
+(``path_for``): for a few, the activations quantized to int16 per block of 32 against the
+weights' integers, with AVX-512 VNNI's ``vpdpwssd`` where the CPU has it, AVX2's
+``vpmaddwd`` otherwise (or where ``TOKENQ_QUANT_ISA=avx2`` forces it, as the tests do); for
+more, the weights decoded to float32 tile by tile, or whole for torch's product. The kernels
+live in the library that ``cpu_ops.load`` builds; call that first.
 """
 
 from __future__ import annotations

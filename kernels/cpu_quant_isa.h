@@ -256,34 +256,36 @@ ISA(chunk)(const int qtype, const uint8_t *w0, int64_t wrows, int64_t ldo, int64
     }
 }
 
-/* `wrows` rows of w decoded to float32 (w = scale * q + offset) into `into`, k apart. */
+/* Block b of a row (of nb blocks) decoded to float32, w = scale * q + offset, into dst[32]. */
+ISA_ATTR static inline __attribute__((always_inline)) void
+ISA(decode_f32)(const int qtype, const uint8_t *row, int64_t nb, int64_t b, float *dst)
+{
+    __m256i lo, hi;
+    float scale, offset;
+    ISA(decode)(qtype, row, nb, b, &lo, &hi, &scale, &offset);
+#if FLANES == 16
+    const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
+    _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(lo)), s, o));
+    _mm512_storeu_ps(dst + 16,
+                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(hi)), s, o));
+#else
+    const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+    const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                             _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_ps(dst + 8 * i,
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part[i])), s, o));
+#endif
+}
+
+/* `wrows` rows of w decoded to float32 into `into`, k apart. */
 ISA_ATTR static inline __attribute__((always_inline)) void
 ISA(decode_rows_f32)(const int qtype, const uint8_t *w, int64_t wrows, int64_t k, float *into)
 {
     const int64_t nb = k / QK, row_bytes = row_bytes_of(qtype, k);
-    for (int64_t j = 0; j < wrows; j++) {
-        float *dst = into + j * k;
-        for (int64_t b = 0; b < nb; b++) {
-            __m256i lo, hi;
-            float scale, offset;
-            ISA(decode)(qtype, w + j * row_bytes, nb, b, &lo, &hi, &scale, &offset);
-#if FLANES == 16
-            const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
-            _mm512_storeu_ps(dst + b * QK,
-                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(lo)), s, o));
-            _mm512_storeu_ps(dst + b * QK + 16,
-                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(hi)), s, o));
-#else
-            const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
-            const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                     _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-            for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(
-                    dst + b * QK + 8 * i,
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part[i])), s, o));
-#endif
-        }
-    }
+    for (int64_t j = 0; j < wrows; j++)
+        for (int64_t b = 0; b < nb; b++)
+            ISA(decode_f32)(qtype, w + j * row_bytes, nb, b, into + j * k + b * QK);
 }
 
 /* x [m, k] into xt as groups of xg rows (a vector or two), each group [k, xg] (a value of
@@ -312,33 +314,14 @@ ISA_ATTR static inline __attribute__((always_inline)) void
 ISA(float_rows)(const int qtype, const int xv, const uint8_t *w0, int64_t nr, int64_t k,
                 const float *xt, int64_t m, float *out0, int64_t ldo, float *wb, FVEC *acc)
 {
-    const int64_t xg = xv * FLANES, groups = (m + xg - 1) / xg, row_bytes = row_bytes_of(qtype, k), nb = k / QK;
+    const int64_t xg = xv * FLANES, groups = (m + xg - 1) / xg;
+    const int64_t row_bytes = row_bytes_of(qtype, k), nb = k / QK;
     for (int64_t k0 = 0; k0 < k; k0 += KB) {
         const int64_t len = k - k0 < KB ? k - k0 : KB;
-        for (int j = 0; j < FNW; j++) { /* rows past nr repeat the last, not written */
-            const uint8_t *row = w0 + (j < nr ? j : nr - 1) * row_bytes;
-            for (int64_t b = k0 / QK; b < (k0 + len) / QK; b++) {
-                __m256i lo, hi;
-                float scale, offset;
-                ISA(decode)(qtype, row, nb, b, &lo, &hi, &scale, &offset);
-                float *dst = wb + j * KB + (b * QK - k0);
-#if FLANES == 16
-                const __m512 sv = _mm512_set1_ps(scale), ov = _mm512_set1_ps(offset);
-                _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(lo)),
-                                                      sv, ov));
-                _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(
-                                               _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(hi)), sv, ov));
-#else
-                const __m256 sv = _mm256_set1_ps(scale), ov = _mm256_set1_ps(offset);
-                const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                         _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-                for (int i = 0; i < 4; i++)
-                    _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(
-                                                      _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part[i])),
-                                                      sv, ov));
-#endif
-            }
-        }
+        for (int j = 0; j < FNW; j++) /* rows past nr repeat the last, not written */
+            for (int64_t b = k0 / QK; b < (k0 + len) / QK; b++)
+                ISA(decode_f32)(qtype, w0 + (j < nr ? j : nr - 1) * row_bytes, nb, b,
+                                wb + j * KB + (b * QK - k0));
         for (int64_t g = 0; g < groups; g++) {
             FVEC a[FNW][2];
             FVEC *saved = acc + g * FNW * 2;
