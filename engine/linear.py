@@ -23,6 +23,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bias = bias
+        self.in_features = weight.shape[1]
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
         self.widen = False  # bf16 activations through an fp32-packed copy of the weight
@@ -71,6 +72,10 @@ class QuantLinear:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].cols
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

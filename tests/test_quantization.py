@@ -182,3 +182,18 @@ def test_kernel_bench_times_each_format_against_dequantize_then_matmul(
         assert (
             ours > 0 and theirs > 0 and ratio == pytest.approx(theirs / ours, rel=0.01, abs=0.006)
         )
+
+
+def test_passes_bench_times_the_models_own_layers_both_ways(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``tokenq bench quant --section passes``: a row per row count, one pass over the
+    default model's layers and lm_head on its file's blocks and on float32."""
+    from tokenq.bench.quant import main as bench_quant
+
+    bench_quant(["--section", "passes", "--rows", "7"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["7"]
+    for r in rows:
+        ours, theirs, ratio = float(r[1]), float(r[2]), float(r[3].rstrip("x"))
+        assert ours > 0 and theirs > 0 and ratio == pytest.approx(theirs / ours, abs=0.006)

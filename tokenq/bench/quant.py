@@ -1,12 +1,13 @@
 """``tokenq bench quant``: quantized weights on the quantized kernels against the float paths.
 
-Three sections, each a table: ``kernels`` (each format's quantized product, on the path its
+Four sections, each a table: ``kernels`` (each format's quantized product, on the path its
 row count takes, against dequantize-then-matmul, the float32 weight packed as the engine
-packs it; the K-quants at shapes of whole super-blocks), ``engine`` (W1 and W2, a row per
-path: the file's blocks on the quantized kernels, the default, then float32 and bfloat16
-dequantized; on the default model's Q4_1 file and on a Q8_0 file written from it with the
-``gguf`` package) and ``accuracy`` (teacher-forced next-token distributions over the
-repository's own docs, the quantized path against the same file dequantized to float32;
+packs it; the K-quants at shapes of whole super-blocks), ``passes`` (the model's own layers,
+one pass over all of them per row count, quantized against float32), ``engine`` (W1 and W2,
+a row per path: the file's blocks on the quantized kernels, the default, then float32 and
+bfloat16 dequantized; on the default model's Q4_1 file and on a Q8_0 file written from it
+with the ``gguf`` package) and ``accuracy`` (teacher-forced next-token distributions over
+the repository's own docs, the quantized path against the same file dequantized to float32;
 ``--folder`` adds ``--quantization int8`` on a safetensors folder against its float32 run).
 """
 
@@ -130,6 +131,38 @@ def kernels(rows: list[int]) -> None:
                 )
 
 
+def passes(model: Path, rows: list[int], repeats: int = 3) -> None:
+    """A pass over every linear layer of ``model`` and its lm_head at each row count, on the
+    file's blocks and on the float32 weights the default loads, as a decode step makes them:
+    each weight read once per pass, so what does not fit in cache comes from memory (the
+    kernel section times one weight, kept in cache)."""
+    layers = {}
+    for name, options in (("quantized", PATHS["quantized"]), ("float32", PATHS["float32"])):
+        config = EngineConfig(
+            model=str(model), device="cpu", num_kv_blocks=16, max_model_len=256, **options
+        )
+        net = LLMEngine(config).model_runner.model
+        layers[name] = [
+            lin
+            for layer in net.layers
+            for lin in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)
+        ] + [net.lm_head]
+    print(f"{'rows':>5}{'quantized ms':>14}{'float32 ms':>12}{'speedup':>9}  (one pass, best of 3)")
+    for m in rows:
+        best = {}
+        for name, lins in layers.items():
+            inputs = [torch.randn(m, lin.in_features) for lin in lins]
+            times = []
+            for _ in range(repeats + 1):  # the first warms the buffers
+                start = time.perf_counter()
+                for lin, x in zip(lins, inputs, strict=True):
+                    lin(x)
+                times.append(time.perf_counter() - start)
+            best[name] = min(times[1:]) * 1e3
+        q, f = best["quantized"], best["float32"]
+        print(f"{m:>5}{q:>14.1f}{f:>12.1f}{f / q:>8.2f}x", flush=True)
+
+
 def engine_rows(files: dict[str, Path], workloads: list, base: dict) -> None:
     print(f"{'file':<7}{'path':<11}{'workload':<22}{'tok/s':>9}{'vs fp32':>9}")
     for label, path in files.items():
@@ -176,11 +209,11 @@ def teacher_forced(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="tokenq bench quant", description=__doc__)
-    ap.add_argument("--section", default="kernels,engine,accuracy", help="comma-separated")
+    ap.add_argument("--section", default="kernels,passes,engine,accuracy", help="comma-separated")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="a quantized GGUF (default model)")
     ap.add_argument("--requests", type=int, default=None, help="per workload (W1 32, W2 64)")
     ap.add_argument("--workloads", default="W1,W2")
-    ap.add_argument("--rows", default="1,8,32,512", help="kernel activation rows")
+    ap.add_argument("--rows", default="1,8,32,512", help="activation rows (kernels, passes)")
     ap.add_argument("--tokens", type=int, default=4096, help="teacher-forced tokens of docs")
     ap.add_argument("--folder", help="a safetensors folder: also --quantization int8 on it")
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -195,9 +228,12 @@ def main(argv: list[str] | None = None) -> None:
         f"quantized kernels: {cpu_quant.isa()}; torch {torch.__version__}",
         flush=True,
     )
-    model = resolve_model(args.model) if sections & {"engine", "accuracy"} else None
+    model = resolve_model(args.model) if sections & {"passes", "engine", "accuracy"} else None
     if "kernels" in sections:
         kernels([int(r) for r in args.rows.split(",")])
+    if "passes" in sections:
+        assert model is not None
+        passes(model, [int(r) for r in args.rows.split(",")])
     if "engine" in sections:
         makers = {"W1": lambda: w1(args.requests or 32), "W2": lambda: w2(args.requests or 64)}
         workloads = [makers[w.strip().upper()]() for w in args.workloads.split(",")]
