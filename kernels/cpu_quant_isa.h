@@ -289,19 +289,23 @@ ISA(decode_rows_f32)(const int qtype, const uint8_t *w, int64_t wrows, int64_t k
 }
 
 /* x [m, k] into xt as groups of xg rows (a vector or two), each group [k, xg] (a value of
- * k's xg rows contiguous), rows past m zero; columns split among the threads (called inside
- * a parallel region). */
+ * k's xg rows contiguous), rows past m zero; rows split among the threads (called inside a
+ * parallel region): each row is read in order, its values stored xg apart. */
 ISA_ATTR static inline void ISA(group_x)(const float *x, int64_t m, int64_t k, float *xt,
                                          int64_t xg)
 {
-    const int64_t groups = (m + xg - 1) / xg;
+    const int64_t rows = (m + xg - 1) / xg * xg;
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < k; c++)
-        for (int64_t g = 0; g < groups; g++) {
-            float *dst = xt + g * k * xg + c * xg;
-            for (int64_t r = 0; r < xg; r++)
-                dst[r] = g * xg + r < m ? x[(g * xg + r) * k + c] : 0.0f;
-        }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = xt + r / xg * k * xg + r % xg;
+        const float *src = x + r * k;
+        if (r < m)
+            for (int64_t c = 0; c < k; c++)
+                dst[c * xg] = src[c];
+        else
+            for (int64_t c = 0; c < k; c++)
+                dst[c * xg] = 0.0f;
+    }
 }
 
 /* `nr` (at most FNW) rows of w, from row w0, against all m rows of x (in groups of xv
