@@ -132,24 +132,29 @@ def quant_matmul(
     """``x @ dequantize(w).T`` for float32 ``x [m, cols]``. ``path`` (default: by m, as
     ``path_for``) is ``int16`` (x in int16 per block of 32, integer dot products), ``float``
     (the weight decoded to float32 per chunk of rows) or ``dequantize`` (decoded by pieces,
-    then torch's product). ``out`` may be a column slice of a wider float32 output (rows
-    contiguous, any row stride), so the parts of a layer stacked by rows write one output."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.cols:
-        raise ValueError(f"x must be float32 [m, {w.cols}], got {x.dtype} {list(x.shape)}")
+    then torch's product; there x may be bfloat16, the weight then rounded to bfloat16 as a
+    bfloat16 model's is). ``out``, in x's dtype, may be a column slice of a wider output
+    (rows contiguous, any row stride), so the parts of a layer stacked by rows write one."""
     path = path or path_for(x.shape[0])
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    dtypes = (torch.float32, torch.bfloat16) if path == "dequantize" else (torch.float32,)
+    if x.dtype not in dtypes or x.dim() != 2 or x.shape[1] != w.cols:
+        raise ValueError(
+            f"x must be {' or '.join(map(str, dtypes))} [m, {w.cols}] on the {path} path, "
+            f"got {x.dtype} {list(x.shape)}"
+        )
     x = x.contiguous()
     n = w.data.shape[0]
     if out is None:
-        out = torch.empty(x.shape[0], n)
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
     elif (
         out.shape != (x.shape[0], n)
-        or out.dtype != torch.float32
+        or out.dtype != x.dtype
         or out.stride(1) != 1
         or out.stride(0) < n
     ):
-        raise ValueError(f"out must be float32 [{x.shape[0]}, {n}] with contiguous rows")
+        raise ValueError(f"out must be {x.dtype} [{x.shape[0]}, {n}] with contiguous rows")
     if not x.shape[0]:
         return out
     vnni = int(isa() == "avx512_vnni")
@@ -161,7 +166,7 @@ def quant_matmul(
             _fn("dequantize_f32")(
                 w.qtype, piece.data_ptr(), piece.shape[0], w.cols, decoded.data_ptr(), vnni
             )
-            torch.mm(x, decoded.T, out=out[:, start : start + piece.shape[0]])
+            torch.mm(x, decoded.to(x.dtype).T, out=out[:, start : start + piece.shape[0]])
         return out
     status = _fn("quant_matmul_f32")(
         w.qtype,

@@ -142,6 +142,19 @@ def test_the_float_products_are_dequantize_then_matmul(
         )
 
 
+def test_bfloat16_activations_meet_the_weight_rounded_to_bfloat16(gen: torch.Generator) -> None:
+    """Under torch's product a bf16 model's activations stay bf16, and the decoded weight is
+    rounded to bf16 as a bf16 model's own is: the bf16 product of the same values."""
+    w = quantized(gen, 3, 20, 96)  # Q4_1
+    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)
+    out = cpu_quant.quant_matmul(x, w, path="dequantize")
+    assert out.dtype == torch.bfloat16
+    expected = x @ reference_weight(w).to(torch.bfloat16).T
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(ValueError, match="on the float path"):
+        cpu_quant.quant_matmul(x, w, path="float")
+
+
 def test_the_product_follows_the_rows_it_is_given() -> None:
     assert [cpu_quant.path_for(m) for m in (1, 5, 6, 127, 128)] == [
         "int16",
