@@ -111,7 +111,7 @@ def _fn(name: str):
 
 
 # Which product runs for how many activation rows (docs/performance.md, Quantized weights):
-# the int16 kernels where the weight's bytes cost more than the arithmetic (a row or two),
+# the int16 kernels where the weight's bytes cost more than the arithmetic (a few rows),
 # float tiles decoded per chunk where a few rows share each decoded value, and a whole
 # decoded matrix under torch's product where enough rows amortize the decoding.
 PATHS = ("int16", "float", "dequantize")
