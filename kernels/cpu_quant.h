@@ -146,9 +146,8 @@ static void decode_block(int qtype, const uint8_t *row, int64_t b, int16_t q[QK]
 #define ISA(f) f##_avx2
 /* the eight int32 sums of four adjacent int16 products: a . b over 16 values, c . d over 16 */
 #define DOT2_S16(a, b, c, d) _mm256_add_epi32(_mm256_madd_epi16(a, b), _mm256_madd_epi16(c, d))
-/* float32 vectors of the float-tile product: 8 lanes, 2 x 4 accumulators of 16 registers */
+/* float32 vectors of the float tiles: 8 lanes, 6 weight rows x 2 accumulators of 16 registers */
 #define FLANES 8
-#define FNR 2
 #define FNW 6
 #define FVEC __m256
 #define FLOAD _mm256_loadu_ps
@@ -156,13 +155,11 @@ static void decode_block(int qtype, const uint8_t *row, int64_t b, int16_t q[QK]
 #define FSET1 _mm256_set1_ps
 #define FFMA _mm256_fmadd_ps
 #define FZERO _mm256_setzero_ps
-#define FHSUM hsum8
 #include "cpu_quant_isa.h"
 #undef ISA_ATTR
 #undef ISA
 #undef DOT2_S16
 #undef FLANES
-#undef FNR
 #undef FNW
 #undef FSTORE
 #undef FSET1
@@ -170,14 +167,12 @@ static void decode_block(int qtype, const uint8_t *row, int64_t b, int16_t q[QK]
 #undef FLOAD
 #undef FFMA
 #undef FZERO
-#undef FHSUM
 
 #define ISA_ATTR __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define ISA(f) f##_vnni
 #define DOT2_S16(a, b, c, d) _mm256_dpwssd_epi32(_mm256_madd_epi16(a, b), c, d)
-/* 16 lanes, 4 x 4 accumulators of 32 registers */
+/* 16 lanes, 12 weight rows x 2 accumulators of 32 registers */
 #define FLANES 16
-#define FNR 4
 #define FNW 12
 #define FVEC __m512
 #define FLOAD _mm512_loadu_ps
@@ -185,13 +180,11 @@ static void decode_block(int qtype, const uint8_t *row, int64_t b, int16_t q[QK]
 #define FSET1 _mm512_set1_ps
 #define FFMA _mm512_fmadd_ps
 #define FZERO _mm512_setzero_ps
-#define FHSUM _mm512_reduce_add_ps
 #include "cpu_quant_isa.h"
 #undef ISA_ATTR
 #undef ISA
 #undef DOT2_S16
 #undef FLANES
-#undef FNR
 #undef FNW
 #undef FSTORE
 #undef FSET1
@@ -199,7 +192,6 @@ static void decode_block(int qtype, const uint8_t *row, int64_t b, int16_t q[QK]
 #undef FLOAD
 #undef FFMA
 #undef FZERO
-#undef FHSUM
 
 /* out[m, n] = x[m, k] . dequant(w)[n, k], out's rows ldo apart (a column slice of a wider
  * output); `vnni` picks the AVX-512 kernels (the caller has checked the CPU has them), and

@@ -3,8 +3,10 @@
  * each function compiled for its own target so one library holds both and the caller picks
  * by the CPU at run time.
  *
- * Expects ISA_ATTR (a target attribute), ISA(f) (the name suffix) and DOT2_S16(a, b, c, d):
- * the eight int32 sums of a . b + c . d, four adjacent int16 products each.
+ * Expects ISA_ATTR (a target attribute), ISA(f) (the name suffix), DOT2_S16(a, b, c, d):
+ * the eight int32 sums of a . b + c . d, four adjacent int16 products each, and for the
+ * float tiles a float32 vector type FVEC of FLANES lanes with its FLOAD, FSTORE, FSET1, FFMA
+ * and FZERO, and FNW, the weight rows of a tile.
  */
 
 /* A row of k values to blocks of 32 int16 values, their scale d (amax / 32767) and
