@@ -196,4 +196,5 @@ def test_passes_bench_times_the_models_own_layers_both_ways(
     assert [r[0] for r in rows] == ["7"]
     for r in rows:
         ours, theirs, ratio = float(r[1]), float(r[2]), float(r[3].rstrip("x"))
-        assert ours > 0 and theirs > 0 and ratio == pytest.approx(theirs / ours, abs=0.006)
+        assert ours > 0 and theirs > 0
+        assert ratio == pytest.approx(theirs / ours, rel=0.01, abs=0.006)  # rounded figures

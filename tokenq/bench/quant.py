@@ -160,7 +160,7 @@ def passes(model: Path, rows: list[int], repeats: int = 3) -> None:
                 times.append(time.perf_counter() - start)
             best[name] = min(times[1:]) * 1e3
         q, f = best["quantized"], best["float32"]
-        print(f"{m:>5}{q:>14.1f}{f:>12.1f}{f / q:>8.2f}x", flush=True)
+        print(f"{m:>5}{q:>14.2f}{f:>12.2f}{f / q:>8.2f}x", flush=True)
 
 
 def engine_rows(files: dict[str, Path], workloads: list, base: dict) -> None:
