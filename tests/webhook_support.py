@@ -39,7 +39,10 @@ class Receiver:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["content-length"]))
+                length = int(self.headers["content-length"])
+                body = self.rfile.read(length)
+                if len(body) < length:  # its sender died mid-request (a dispatcher killed)
+                    return
                 wid = self.headers.get("webhook-id", "")
                 with outer.lock:
                     outer.attempts[wid] += 1
