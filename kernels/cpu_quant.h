@@ -142,6 +142,20 @@ static void decode_block(int qtype, const uint8_t *row, int64_t b, int16_t q[QK]
         q[l] = (int16_t)(((qs[l] >> (4 * (j & 1))) & 0x0f) | (five ? ((qh[l] >> j) & 1) << 4 : 0));
 }
 
+/* CALL(q) with q the constant of qtype's format: each call site's kernel is inlined and
+ * specialised per format (a variable qtype would test it in every block's decode). */
+#define BY_FORMAT(qtype, CALL)                                                                \
+    switch (qtype) {                                                                          \
+    case QTYPE_Q8_0: CALL(QTYPE_Q8_0); break;                                                 \
+    case QTYPE_Q4_0: CALL(QTYPE_Q4_0); break;                                                 \
+    case QTYPE_Q4_1: CALL(QTYPE_Q4_1); break;                                                 \
+    case QTYPE_Q5_0: CALL(QTYPE_Q5_0); break;                                                 \
+    case QTYPE_Q5_1: CALL(QTYPE_Q5_1); break;                                                 \
+    case QTYPE_Q4_K: CALL(QTYPE_Q4_K); break;                                                 \
+    case QTYPE_Q5_K: CALL(QTYPE_Q5_K); break;                                                 \
+    default: CALL(QTYPE_Q6_K);                                                                \
+    }
+
 #define ISA_ATTR __attribute__((target("avx2,fma,f16c")))
 #define ISA(f) f##_avx2
 /* the eight int32 sums of four adjacent int16 products: a . b over 16 values, c . d over 16 */
@@ -156,17 +170,6 @@ static void decode_block(int qtype, const uint8_t *row, int64_t b, int16_t q[QK]
 #define FFMA _mm256_fmadd_ps
 #define FZERO _mm256_setzero_ps
 #include "cpu_quant_isa.h"
-#undef ISA_ATTR
-#undef ISA
-#undef DOT2_S16
-#undef FLANES
-#undef FNW
-#undef FSTORE
-#undef FSET1
-#undef FVEC
-#undef FLOAD
-#undef FFMA
-#undef FZERO
 
 #define ISA_ATTR __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define ISA(f) f##_vnni
@@ -181,17 +184,6 @@ static void decode_block(int qtype, const uint8_t *row, int64_t b, int16_t q[QK]
 #define FFMA _mm512_fmadd_ps
 #define FZERO _mm512_setzero_ps
 #include "cpu_quant_isa.h"
-#undef ISA_ATTR
-#undef ISA
-#undef DOT2_S16
-#undef FLANES
-#undef FNW
-#undef FSTORE
-#undef FSET1
-#undef FVEC
-#undef FLOAD
-#undef FFMA
-#undef FZERO
 
 /* out[m, n] = x[m, k] . dequant(w)[n, k], out's rows ldo apart (a column slice of a wider
  * output); `vnni` picks the AVX-512 kernels (the caller has checked the CPU has them), and

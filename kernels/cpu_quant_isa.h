@@ -6,7 +6,7 @@
  * Expects ISA_ATTR (a target attribute), ISA(f) (the name suffix), DOT2_S16(a, b, c, d):
  * the eight int32 sums of a . b + c . d, four adjacent int16 products each, and for the
  * float tiles a float32 vector type FVEC of FLANES lanes with its FLOAD, FSTORE, FSET1, FFMA
- * and FZERO, and FNW, the weight rows of a tile.
+ * and FZERO, and FNW, the weight rows of a tile. It undefines them at its end.
  */
 
 /* A row of k values to blocks of 32 int16 values, their scale d (amax / 32767) and
@@ -396,31 +396,7 @@ ISA_ATTR static int ISA(float_matmul)(int qtype, const uint8_t *w, int64_t n, in
 #define FLOAT_ROWS(q)                                                                   \
     (xv > 1 ? ISA(float_rows)(q, 2, w0, nr, k, xt, m, out + n0, ldo, wb, acc)           \
             : ISA(float_rows)(q, 1, w0, nr, k, xt, m, out + n0, ldo, wb, acc))
-            switch (qtype) {
-            case QTYPE_Q8_0:
-                FLOAT_ROWS(QTYPE_Q8_0);
-                break;
-            case QTYPE_Q4_0:
-                FLOAT_ROWS(QTYPE_Q4_0);
-                break;
-            case QTYPE_Q4_1:
-                FLOAT_ROWS(QTYPE_Q4_1);
-                break;
-            case QTYPE_Q5_0:
-                FLOAT_ROWS(QTYPE_Q5_0);
-                break;
-            case QTYPE_Q5_1:
-                FLOAT_ROWS(QTYPE_Q5_1);
-                break;
-            case QTYPE_Q4_K:
-                FLOAT_ROWS(QTYPE_Q4_K);
-                break;
-            case QTYPE_Q5_K:
-                FLOAT_ROWS(QTYPE_Q5_K);
-                break;
-            default:
-                FLOAT_ROWS(QTYPE_Q6_K);
-            }
+            BY_FORMAT(qtype, FLOAT_ROWS)
 #undef FLOAT_ROWS
         }
         free(wb);
@@ -439,16 +415,9 @@ ISA_ATTR static void ISA(dequantize)(int qtype, const uint8_t *w, int64_t n, int
         const int64_t n0 = c * NCHUNK, rows = n0 + NCHUNK < n ? NCHUNK : n - n0;
         const uint8_t *w0 = w + n0 * row_bytes;
         float *o = out + n0 * k;
-        switch (qtype) {
-        case QTYPE_Q8_0: ISA(decode_rows_f32)(QTYPE_Q8_0, w0, rows, k, o); break;
-        case QTYPE_Q4_0: ISA(decode_rows_f32)(QTYPE_Q4_0, w0, rows, k, o); break;
-        case QTYPE_Q4_1: ISA(decode_rows_f32)(QTYPE_Q4_1, w0, rows, k, o); break;
-        case QTYPE_Q5_0: ISA(decode_rows_f32)(QTYPE_Q5_0, w0, rows, k, o); break;
-        case QTYPE_Q5_1: ISA(decode_rows_f32)(QTYPE_Q5_1, w0, rows, k, o); break;
-        case QTYPE_Q4_K: ISA(decode_rows_f32)(QTYPE_Q4_K, w0, rows, k, o); break;
-        case QTYPE_Q5_K: ISA(decode_rows_f32)(QTYPE_Q5_K, w0, rows, k, o); break;
-        default: ISA(decode_rows_f32)(QTYPE_Q6_K, w0, rows, k, o);
-        }
+#define DECODE_ROWS(q) ISA(decode_rows_f32)(q, w0, rows, k, o)
+        BY_FORMAT(qtype, DECODE_ROWS)
+#undef DECODE_ROWS
     }
 }
 
@@ -496,32 +465,22 @@ ISA_ATTR static void ISA(quant_matmul)(int qtype, const uint8_t *w, int64_t n, i
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t n0 = c * NCHUNK, n1 = n0 + NCHUNK < n ? n0 + NCHUNK : n;
-            switch (qtype) {
-            case QTYPE_Q8_0:
-                ISA(format_chunk)(QTYPE_Q8_0, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
-                break;
-            case QTYPE_Q4_0:
-                ISA(format_chunk)(QTYPE_Q4_0, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
-                break;
-            case QTYPE_Q4_1:
-                ISA(format_chunk)(QTYPE_Q4_1, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
-                break;
-            case QTYPE_Q5_0:
-                ISA(format_chunk)(QTYPE_Q5_0, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
-                break;
-            case QTYPE_Q5_1:
-                ISA(format_chunk)(QTYPE_Q5_1, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
-                break;
-            case QTYPE_Q4_K:
-                ISA(format_chunk)(QTYPE_Q4_K, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
-                break;
-            case QTYPE_Q5_K:
-                ISA(format_chunk)(QTYPE_Q5_K, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
-                break;
-            default:
-                ISA(format_chunk)(QTYPE_Q6_K, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch);
-            }
+#define FORMAT_CHUNK(q) ISA(format_chunk)(q, w, n0, n1, ldo, k, xq, xd, xs, m, out, scratch)
+            BY_FORMAT(qtype, FORMAT_CHUNK)
+#undef FORMAT_CHUNK
         }
         free(scratch);
     }
 }
+
+#undef ISA_ATTR
+#undef ISA
+#undef DOT2_S16
+#undef FLANES
+#undef FNW
+#undef FVEC
+#undef FLOAD
+#undef FSTORE
+#undef FSET1
+#undef FFMA
+#undef FZERO
